@@ -1,0 +1,104 @@
+"""Typed messages that cross the API-process / scheduler-process boundary (pickled over ZMQ).
+
+This is the only module both sides share (with `sampling_params`); neither side imports
+the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hiserve.engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- API -> scheduler
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """One sequence to generate (n > 1 is expanded into n of these by the API side)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Abort one request by id, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass
+class FlushCacheReq:
+    """Empty the prefix cache (device and host tiers); refused while requests run."""
+
+
+@dataclass
+class GetInternalStateReq:
+    """Ask for the scheduler's sizes and counters (for /get_server_info)."""
+
+
+# ---------------------------------------------------------------- scheduler -> API
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges and counters the API process exports at /metrics."""
+
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    num_used_tokens: int = 0
+    token_usage: float = 0.0
+    cache_hit_rate: float = 0.0
+    gen_throughput: float = 0.0
+    num_retracted_reqs: int = 0
+    # Hierarchical cache (zero when it is off).
+    hicache_host_used_tokens: int = 0
+    hicache_host_total_tokens: int = 0
+    backed_up_tokens_total: int = 0
+    loaded_back_tokens_total: int = 0
+
+
+@dataclass
+class BatchTokenIDOut:
+    """New output tokens of several requests since the last message.
+
+    `finished_reasons[i]` is None while request i runs, else SGLang's finish_reason
+    object: {"type": "length", "length": n} | {"type": "stop", "matched": id_or_str}
+    | {"type": "abort", "message": str, ...}.
+    """
+
+    rids: list[str]
+    new_output_ids: list[list[int]]
+    finished_reasons: list[Optional[dict[str, Any]]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens_device: list[int]
+    cached_tokens_host: list[int]
+    stats: Optional[SchedulerStats] = None
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once through the start-up pipe when the scheduler can take requests."""
+
+    max_total_num_tokens: int
+    max_req_input_len: int
+    context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]

@@ -1,0 +1,138 @@
+"""Loads the model, sizes the KV pools, and runs one forward pass plus sampling."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from hiserve.engine.sampler import Sampler, SamplingBatchInfo
+from hiserve.engine.schedule_batch import Req, ScheduleBatch
+from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
+from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from hiserve.models.loader import load_model
+from hiserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+_DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def create_attention_backend(name: str, runner: "ModelRunner") -> Any:
+    """Instantiate the backend named by --attention-backend (imported lazily: GPU ones need CUDA)."""
+    if name == "torch_native":
+        from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(runner)
+    if name == "triton":
+        from hiserve.layers.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(runner)
+    if name == "fa3":
+        from hiserve.layers.attention.fa3 import FlashAttention3Backend
+
+        return FlashAttention3Backend(runner)
+    raise ValueError(f"unknown --attention-backend {name!r}")
+
+
+class ModelRunner:
+    """Owns the weights, the device pools and the attention backend of one rank."""
+
+    def __init__(self, server_args: ServerArgs):
+        self.server_args = server_args
+        self.device = torch.device(server_args.device)
+        self.dtype = _DTYPES[server_args.dtype]
+        self.page_size = server_args.page_size
+        torch.manual_seed(server_args.random_seed)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+        self.model, self.model_config = load_model(server_args.model_path, self.dtype, self.device)
+        self.model.eval()
+        self.context_len = server_args.context_length or self.model_config.max_position_embeddings
+        self.vocab_size = self.model_config.vocab_size
+        self.init_memory_pool()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def is_mla(self) -> bool:
+        return bool(getattr(self.model_config, "kv_lora_rank", None))
+
+    def _cell_size_bytes(self) -> int:
+        """Device KV bytes of one token across all layers."""
+        cfg, item = self.model_config, torch.empty((), dtype=self.dtype).element_size()
+        if self.is_mla:
+            per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        else:
+            per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
+        return per_layer * item * cfg.num_hidden_layers
+
+    def _profile_max_total_tokens(self, reserved_bytes: int) -> int:
+        args = self.server_args
+        if args.max_total_tokens is not None:
+            return args.max_total_tokens
+        if self.device.type != "cuda":
+            return _CPU_DEFAULT_MAX_TOTAL_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1 - args.mem_fraction_static) - reserved_bytes
+        if budget <= 0:
+            raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} leaves no room for "
+                             f"the KV pool ({free} bytes free of {total})")
+        return int(budget // self._cell_size_bytes())
+
+    def init_memory_pool(self, reserved_bytes: int = 0) -> None:
+        """Create `req_to_token_pool`, the device KV pool and its allocator.
+
+        Args:
+            reserved_bytes: device bytes to keep out of the KV pool (e.g. hicache staging buffers).
+        """
+        cfg = self.model_config
+        size = self._profile_max_total_tokens(reserved_bytes)
+        size = size // self.page_size * self.page_size
+        if size < 2 * self.page_size:
+            raise ValueError(f"--max-total-tokens {size} is too small for --page-size {self.page_size}")
+        self.max_total_num_tokens = size
+        self.max_running_requests = self.server_args.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 8, self.device)
+        if self.is_mla:
+            self.token_to_kv_pool = MLATokenToKVPool(size, self.page_size, self.dtype, cfg.kv_lora_rank,
+                                                     cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(size, self.page_size, self.dtype,
+                                                     cfg.num_key_value_heads, cfg.head_dim,
+                                                     cfg.num_hidden_layers, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size, self.device,
+                                                                 self.token_to_kv_pool)
+        logger.info("KV pool: %d tokens, %.1f MB; %d request rows", size,
+                    size * self._cell_size_bytes() / 1e6, self.max_running_requests)
+
+    # ------------------------------------------------------------------ run
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Run the model on `batch`; returns next-token logits [B, vocab] float32."""
+        fb = ForwardBatch(
+            forward_mode=batch.forward_mode, batch_size=batch.batch_size, input_ids=batch.input_ids,
+            positions=batch.positions, out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
+            seq_lens_cpu=batch.seq_lens_cpu, extend_seq_lens_cpu=batch.extend_seq_lens_cpu,
+            extend_prefix_lens_cpu=batch.extend_prefix_lens_cpu,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend)
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(fb)
+            return self.model.forward(fb)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: set[int]) -> list[int]:
+        """Pick one token per request; returns them as Python ints."""
+        params = [r.sampling_params for r in reqs]
+        histories = [(r.origin_input_ids, r.output_ids) for r in reqs]
+        info = SamplingBatchInfo.from_reqs(params, histories, self.vocab_size, logits.device,
+                                           eos_token_ids=eos_ids)
+        with torch.inference_mode():
+            return self.sampler.sample(logits, info).tolist()

@@ -1,0 +1,294 @@
+"""Turn one step's logits into next tokens: penalties, temperature, top-k/top-p/min-p, draw.
+
+The scheduler builds a `SamplingBatchInfo` once per batch (`from_reqs`); `Sampler.sample`
+then works on whole-batch tensors. Only rows with a `sampling_seed` are drawn one by one,
+each from its own generator.
+
+Semantics (SGLang-compatible):
+- greedy: temperature < 1e-6 or top_k == 1 → argmax of the penalized logits;
+- repetition_penalty (HF): for every token seen in prompt + output, positive logits are
+  divided by the penalty and negative ones multiplied by it;
+- frequency_penalty / presence_penalty (OpenAI): subtract penalty × (count of the token in
+  the output) and penalty × (token appeared in the output);
+- min_new_tokens: while the output is shorter, EOS (unless `ignore_eos`) and the request's
+  `stop_token_ids` get -inf;
+- top-k, then top-p over the renormalized survivors, then min-p relative to the largest
+  probability; all three share one sort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from hiserve.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed for output position `step` of a request seeded with `seed`.
+
+    Deriving each step's generator from (seed, step) makes a seeded request's tokens depend
+    only on its own logits, never on which other requests share the batch.
+    """
+    # splitmix64 finalizer over the pair.
+    x = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-batch sampling tensors. B = batch size, V = vocab size.
+
+    Attributes:
+        temperatures: [B, 1] float32 (1.0 on greedy rows, so division is harmless).
+        top_ps: [B] float32.
+        top_ks: [B] int64, V where top-k is off.
+        min_ps: [B] float32.
+        greedy_mask: [B] bool, rows that take argmax.
+        is_all_greedy: every row is greedy → argmax only, no softmax or sort.
+        need_top_p / need_top_k / need_min_p: some sampled row uses that filter.
+        repetition_penalties: [B, 1] float32, or None when no row uses it.
+        repetition_mask: [B, V] bool, token appeared in prompt + output (with the above).
+        frequency_penalties / presence_penalties: [B, 1] float32, or None when all zero.
+        output_counts: [B, V] float32, occurrences of each token in the output (with the above).
+        min_tokens_rows / min_tokens_ids: [K] int64 pairs (row, token) to set to -inf, or None.
+        generators: one entry per row, a generator for seeded sampled rows, else None.
+        seeded_rows: indices of rows with a generator.
+    """
+
+    vocab_size: int
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    greedy_mask: torch.Tensor
+    is_all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    repetition_penalties: Optional[torch.Tensor] = None
+    repetition_mask: Optional[torch.Tensor] = None
+    frequency_penalties: Optional[torch.Tensor] = None
+    presence_penalties: Optional[torch.Tensor] = None
+    output_counts: Optional[torch.Tensor] = None
+    min_tokens_rows: Optional[torch.Tensor] = None
+    min_tokens_ids: Optional[torch.Tensor] = None
+    generators: list[Optional[torch.Generator]] = field(default_factory=list)
+    seeded_rows: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperatures.shape[0]
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalties is not None or self.output_counts is not None
+                or self.min_tokens_rows is not None)
+
+    @classmethod
+    def from_reqs(
+        cls,
+        params: Sequence[SamplingParams],
+        token_histories: Optional[Sequence[tuple[Sequence[int], Sequence[int]]]],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+    ) -> "SamplingBatchInfo":
+        """Build the batch's tensors from each request's parameters.
+
+        Args:
+            params: one SamplingParams per row.
+            token_histories: `token_histories[i] = (prompt_ids, output_ids)` of row i. Read
+                only for rows that use a penalty, `min_new_tokens` or a `sampling_seed`
+                (the seed of each step mixes in the output length); may be None otherwise.
+            vocab_size: V, the width of the logits.
+            device: where the tensors live (the logits' device).
+            eos_token_ids: the model's EOS ids, masked while `min_new_tokens` is unmet.
+
+        Raises:
+            ValueError: a history is needed but `token_histories` is None.
+        """
+        device = torch.device(device)
+        bs = len(params)
+
+        def history(i: int) -> tuple[Sequence[int], Sequence[int]]:
+            if token_histories is None:
+                raise ValueError(f"row {i} uses a penalty, min_new_tokens or a seed; "
+                                 f"token_histories is required")
+            return token_histories[i]
+
+        greedy = [p.is_greedy for p in params]
+        is_all_greedy = all(greedy)
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_ks = [vocab_size if (p.top_k < 0 or p.top_k >= vocab_size) else p.top_k for p in params]
+        sampled = [not g for g in greedy]
+
+        def as_tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        info = cls(
+            vocab_size=vocab_size,
+            temperatures=as_tensor(temps, torch.float32).view(bs, 1),
+            top_ps=as_tensor([float(p.top_p) for p in params], torch.float32),
+            top_ks=as_tensor(top_ks, torch.int64),
+            min_ps=as_tensor([float(p.min_p) for p in params], torch.float32),
+            greedy_mask=as_tensor(greedy, torch.bool),
+            is_all_greedy=is_all_greedy,
+            need_top_p=any(s and p.top_p < 1.0 for s, p in zip(sampled, params)),
+            need_top_k=any(s and k < vocab_size for s, k in zip(sampled, top_ks)),
+            need_min_p=any(s and p.min_p > 0.0 for s, p in zip(sampled, params)),
+        )
+
+        # Repetition penalty: a [B, V] mask of tokens seen in prompt + output.
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            rows, ids = [], []
+            for i in rep_rows:
+                prompt_ids, output_ids = history(i)
+                rows.extend([i] * (len(prompt_ids) + len(output_ids)))
+                ids.extend(prompt_ids)
+                ids.extend(output_ids)
+            mask = torch.zeros(bs, vocab_size, dtype=torch.bool, device=device)
+            mask[as_tensor(rows, torch.int64), as_tensor(ids, torch.int64)] = True
+            info.repetition_mask = mask
+            info.repetition_penalties = as_tensor(
+                [float(p.repetition_penalty) for p in params], torch.float32).view(bs, 1)
+
+        # Frequency / presence penalties: [B, V] counts of output tokens.
+        add_rows = [i for i, p in enumerate(params)
+                    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        if add_rows:
+            rows, ids = [], []
+            for i in add_rows:
+                output_ids = history(i)[1]
+                rows.extend([i] * len(output_ids))
+                ids.extend(output_ids)
+            counts = torch.zeros(bs, vocab_size, dtype=torch.float32, device=device)
+            if ids:
+                counts.index_put_((as_tensor(rows, torch.int64), as_tensor(ids, torch.int64)),
+                                  torch.ones(len(ids), dtype=torch.float32, device=device),
+                                  accumulate=True)
+            info.output_counts = counts
+            info.frequency_penalties = as_tensor(
+                [float(p.frequency_penalty) for p in params], torch.float32).view(bs, 1)
+            info.presence_penalties = as_tensor(
+                [float(p.presence_penalty) for p in params], torch.float32).view(bs, 1)
+
+        # min_new_tokens: (row, stop id) pairs to forbid this step.
+        rows, ids = [], []
+        for i, p in enumerate(params):
+            if p.min_new_tokens <= 0 or len(history(i)[1]) >= p.min_new_tokens:
+                continue
+            stop_ids = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                stop_ids.update(eos_token_ids)
+            stop_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+            rows.extend([i] * len(stop_ids))
+            ids.extend(stop_ids)
+        if ids:
+            info.min_tokens_rows = as_tensor(rows, torch.int64)
+            info.min_tokens_ids = as_tensor(ids, torch.int64)
+
+        # Seeded rows: a generator per row, seeded from (seed, output position).
+        info.generators = [None] * bs
+        for i, p in enumerate(params):
+            if p.sampling_seed is None or greedy[i]:
+                continue
+            gen = torch.Generator(device=device)
+            gen.manual_seed(step_seed(int(p.sampling_seed), len(history(i)[1])))
+            info.generators[i] = gen
+            info.seeded_rows.append(i)
+        return info
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Return `logits` [B, V] with repetition, frequency, presence and min_new_tokens
+    penalties applied (a new tensor when any applies; `logits` itself otherwise)."""
+    if info.repetition_penalties is not None:
+        rp = info.repetition_penalties
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(info.repetition_mask, penalized, logits)
+    if info.output_counts is not None:
+        counts = info.output_counts
+        logits = (logits - info.frequency_penalties * counts
+                  - info.presence_penalties * (counts > 0).to(logits.dtype))
+    if info.min_tokens_rows is not None:
+        logits = logits.clone() if (info.repetition_penalties is None
+                                    and info.output_counts is None) else logits
+        logits[info.min_tokens_rows, info.min_tokens_ids] = float("-inf")
+    return logits
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k, top-p and min-p with one descending sort.
+
+    Returns:
+        (weights, order): `weights` [B, V] are the surviving probabilities in sorted order
+        (zeros elsewhere, not renormalized), `order` [B, V] the token id of each column.
+    """
+    probs_sorted, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    if info.need_top_k:
+        rank = torch.arange(vocab, device=probs.device).view(1, vocab)
+        probs_sorted = probs_sorted.masked_fill(rank >= info.top_ks.view(-1, 1), 0.0)
+    if info.need_top_p:
+        cum = probs_sorted.cumsum(dim=-1)
+        total = cum[:, -1:]
+        # Drop a token when the mass strictly before it already reaches top_p (of the
+        # survivors' total); the most likely token always stays.
+        drop = (cum - probs_sorted) > info.top_ps.view(-1, 1) * total
+        probs_sorted = probs_sorted.masked_fill(drop, 0.0)
+    if info.need_min_p:
+        threshold = info.min_ps.view(-1, 1) * probs_sorted[:, :1]
+        probs_sorted = probs_sorted.masked_fill(probs_sorted < threshold, 0.0)
+    return probs_sorted, order
+
+
+class Sampler:
+    """Chooses one next token per row."""
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Sample next tokens.
+
+        Args:
+            logits: [B, V] logits of the last position of each request (cast to float32).
+            info: this batch's SamplingBatchInfo.
+
+        Returns:
+            [B] int64 token ids.
+        """
+        if logits.dim() != 2 or logits.shape[0] != info.batch_size:
+            raise ValueError(f"logits must be [B={info.batch_size}, V], got {tuple(logits.shape)}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        logits = apply_penalties(logits, info)
+        if info.is_all_greedy:
+            return logits.argmax(dim=-1)
+
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            weights, order = filter_probs(probs, info)
+        else:
+            weights, order = probs, None
+
+        bs = logits.shape[0]
+        picked = torch.empty(bs, dtype=torch.int64, device=logits.device)
+        if info.seeded_rows:
+            unseeded = [i for i in range(bs) if info.generators[i] is None]
+            if unseeded:
+                rows = torch.tensor(unseeded, dtype=torch.int64, device=logits.device)
+                picked[rows] = torch.multinomial(weights[rows], 1).view(-1)
+            for i in info.seeded_rows:
+                picked[i] = torch.multinomial(weights[i], 1, generator=info.generators[i])[0]
+        else:
+            picked = torch.multinomial(weights, 1).view(-1)
+        if order is not None:
+            picked = order.gather(1, picked.view(-1, 1)).view(-1)
+        # Greedy rows in a mixed batch take argmax.
+        return torch.where(info.greedy_mask, logits.argmax(dim=-1), picked)

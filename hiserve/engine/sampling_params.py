@@ -1,0 +1,87 @@
+"""Sampling parameters of one request, with SGLang's names, defaults and checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_TEMPERATURE = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    """Native `/generate` sampling parameters (the OpenAI routes map onto these).
+
+    `temperature` below 1e-6 means greedy. `max_new_tokens=None` means "until the
+    context limit" and is clamped by the scheduler.
+    """
+
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: Optional[int] = None
+    stream_interval: Optional[int] = None
+    stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strs = []
+        elif isinstance(self.stop, str):
+            self.stop_strs = [self.stop] if self.stop else []
+        else:
+            self.stop_strs = [s for s in self.stop if s]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Check ranges the way SGLang does.
+
+        Raises:
+            ValueError: naming the offending parameter and its value.
+        """
+        if self.max_new_tokens is not None:
+            if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+                raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
+            if self.max_new_tokens < 0:
+                raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= (self.max_new_tokens if self.max_new_tokens is not None
+                                            else self.min_new_tokens):
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if len(self.stop_strs) > 32:
+            raise ValueError(f"stop accepts at most 32 strings, got {len(self.stop_strs)}.")
+        if self.stop_token_ids is not None and vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad}.")

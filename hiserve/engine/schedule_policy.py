@@ -1,0 +1,105 @@
+"""Admission of waiting requests into a prefill batch: queue order, token budgets, chunking."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any, Optional
+
+from hiserve.engine.schedule_batch import Req
+
+# Past this queue length, lpm's per-request prefix match costs more than it saves.
+_LPM_MAX_QUEUE = 128
+# A running request's future decode tokens are reserved up to this many (SGLang clips the same way).
+_DECODE_RESERVE_CLIP = 4096
+
+
+def order_waiting_queue(policy: str, waiting: list[Req], tree_cache: Any) -> None:
+    """Sort `waiting` in place: fcfs keeps arrival order; lpm puts the longest cached prefix first."""
+    if policy != "lpm" or len(waiting) > _LPM_MAX_QUEUE or getattr(tree_cache, "disable", False):
+        return
+    lengths = {}
+    for req in waiting:
+        key = req.origin_input_ids + req.output_ids
+        lengths[id(req)] = len(tree_cache.match_prefix(key[:-1]).device_indices)
+    waiting.sort(key=lambda r: -lengths[id(r)])
+
+
+class AddResult(Enum):
+    CONTINUE = auto()  # admitted; try the next one
+    NO_TOKEN = auto()  # out of KV budget
+    OTHER = auto()  # a per-batch budget (input tokens, chunk, request count) is spent
+
+
+class PrefillAdder:
+    """Admits requests into one prefill batch while its budgets last.
+
+    Budgets, in tokens: `rem_total_tokens` = free + evictable device slots minus what the
+    running requests will still decode (scaled by `new_token_ratio`, an estimate of the
+    fraction of max_new_tokens a request really uses); `rem_input_tokens` =
+    --max-prefill-tokens; `rem_chunk_tokens` = --chunked-prefill-size.
+    """
+
+    def __init__(self, tree_cache: Any, allocator: Any, running: list[Req], new_token_ratio: float,
+                 max_prefill_tokens: int, chunked_prefill_size: Optional[int], page_size: int,
+                 max_new_reqs: int):
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+        reserve = sum(min(r.max_new_tokens - len(r.output_ids), _DECODE_RESERVE_CLIP) for r in running)
+        self.rem_total_tokens = (allocator.available_size() + tree_cache.evictable_size()
+                                 - int(reserve * new_token_ratio))
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.max_new_reqs = max_new_reqs
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Optional[Req] = None
+
+    def _lock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        # Locked prefix slots are no longer evictable: they leave the budget.
+        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+
+    def _take(self, req: Req, extend_len: int) -> None:
+        req.extend_input_len = extend_len
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + extend_len]
+        pages = -(-extend_len // self.page_size) + 1  # +1: a partly filled last page
+        self.rem_total_tokens -= pages * self.page_size
+        self.rem_input_tokens -= extend_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_len
+        self.can_run.append(req)
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue the prompt of the request chunked in the previous pass (it holds its locks)."""
+        extend_len = len(req.fill_ids) - len(req.prefix_indices)
+        limit = self._chunk_limit()
+        if limit is not None and extend_len > limit:
+            extend_len = limit
+            self.new_chunked_req = req
+        self._take(req, extend_len)
+
+    def _chunk_limit(self) -> Optional[int]:
+        if self.rem_chunk_tokens is None:
+            return None
+        return self.rem_chunk_tokens // self.page_size * self.page_size
+
+    def add_one_req(self, req: Req) -> AddResult:
+        """Try to admit `req`, whose `prefix_indices`/`last_node` come from a prefix match."""
+        if len(self.can_run) >= self.max_new_reqs:
+            return AddResult.OTHER
+        extend_len = len(req.fill_ids) - len(req.prefix_indices)
+        total_need = extend_len + min(req.max_new_tokens - len(req.output_ids), _DECODE_RESERVE_CLIP)
+        if total_need + self.page_size > self.rem_total_tokens:
+            return AddResult.NO_TOKEN
+        limit = self._chunk_limit()
+        if self.rem_input_tokens <= 0 or (limit is not None and limit <= 0):
+            return AddResult.OTHER
+        if extend_len > self.rem_input_tokens and self.can_run:
+            return AddResult.OTHER
+        self._lock(req)
+        if limit is not None and extend_len > limit:
+            self.new_chunked_req = req
+            self._take(req, limit)
+            return AddResult.OTHER
+        self._take(req, extend_len)
+        return AddResult.CONTINUE

@@ -1,0 +1,485 @@
+"""The scheduler process: receive → schedule → run → process results → cache events, every iteration.
+
+Continuous batching: a prefill (extend) pass admits waiting requests whenever the budgets
+allow, otherwise the running requests decode one token each. Long prompts are split into
+chunks (chunked prefill); when the device pool cannot hold the next decode step, running
+requests are retracted back to the waiting queue (their KV goes to the radix cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections import deque
+from typing import Any, Optional
+
+import torch
+import zmq
+
+from hiserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerReady,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+)
+from hiserve.engine.model_runner import ModelRunner
+from hiserve.engine.schedule_batch import Req, ScheduleBatch
+from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
+from hiserve.layers.forward_batch import ForwardMode
+from hiserve.mem_cache.radix_cache import RadixCache
+from hiserve.models.loader import get_tokenizer
+from hiserve.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_INIT_NEW_TOKEN_RATIO = 0.7
+_MIN_NEW_TOKEN_RATIO = 0.1
+_NEW_TOKEN_RATIO_DECAY = 0.001
+_IDLE_POLL_MS = 50
+
+
+class Scheduler:
+    """Owns the running batch, the waiting queue, the radix cache and the model runner."""
+
+    def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs]):
+        self.server_args = server_args
+        self.page_size = server_args.page_size
+        self.model_runner = ModelRunner(server_args)
+        self.device = self.model_runner.device
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path)
+        self.context_len = self.model_runner.context_len
+        self.max_total_num_tokens = self.model_runner.max_total_num_tokens
+        self.max_req_input_len = min(self.context_len - 1, self.max_total_num_tokens - 1) - 5
+        self.eos_token_ids = set(self.model_runner.model_config.eos_token_ids)
+        self.req_to_token_pool = self.model_runner.req_to_token_pool
+        self.allocator = self.model_runner.token_to_kv_pool_allocator
+        self.tree_cache = self._create_tree_cache()
+
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+        self._decode_steps = 0
+        self._gen_tokens_since_log = 0
+        self._last_log_time = time.monotonic()
+
+        self.outbox: list[Any] = []  # messages for the API process when no socket (tests)
+        self.send_to_api = None
+        if port_args is not None:
+            ctx = zmq.Context(2)
+            self.recv_from_api = ctx.socket(zmq.PULL)
+            self.recv_from_api.bind(port_args.scheduler_input_ipc_name)
+            self.send_to_api = ctx.socket(zmq.PUSH)
+            self.send_to_api.connect(port_args.tokenizer_ipc_name)
+
+    def _create_tree_cache(self) -> Any:
+        args = self.server_args
+        return RadixCache(self.req_to_token_pool, self.allocator, self.page_size,
+                          disable=args.disable_radix_cache)
+
+    def ready_message(self) -> SchedulerReady:
+        return SchedulerReady(max_total_num_tokens=self.max_total_num_tokens,
+                              max_req_input_len=self.max_req_input_len, context_len=self.context_len,
+                              vocab_size=self.model_runner.vocab_size,
+                              eos_token_ids=sorted(self.eos_token_ids))
+
+    # ================================================================== loop
+    def event_loop(self) -> None:
+        while True:
+            idle = not (self.waiting_queue or self.running or self.chunked_req)
+            for msg in self._recv_requests(block=idle):
+                self._handle(msg)
+            self.step()
+
+    def step(self) -> None:
+        """One iteration: run a batch if there is one, then process cache events."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            self.run_batch(batch)
+        self.check_cache_events()
+
+    def check_cache_events(self) -> None:
+        """Hook for the hierarchical cache's write/load acknowledgements (every iteration)."""
+
+    def _recv_requests(self, block: bool) -> list[Any]:
+        msgs = []
+        if block and not self.recv_from_api.poll(_IDLE_POLL_MS):
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv_from_api.recv_pyobj(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                return msgs
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort_request(msg)
+        elif isinstance(msg, FlushCacheReq):
+            ok = self.flush_cache()
+            self._emit(FlushCacheReqOutput(
+                success=ok, message="Cache flushed." if ok else
+                "Cache not flushed: there are running or waiting requests."))
+        elif isinstance(msg, GetInternalStateReq):
+            self._emit(GetInternalStateReqOutput(state=self.internal_state()))
+        else:
+            logger.error("unknown message %r", type(msg))
+
+    # ================================================================== requests
+    def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
+        sp = recv.sampling_params
+        n_in = len(recv.input_ids)
+        room = self.context_len - n_in
+        max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
+        req = Req(recv.rid, list(recv.input_ids), sp, recv.stream, max_new, self.eos_token_ids)
+        error = None
+        if n_in == 0:
+            error = "The input is empty."
+        elif n_in > self.max_req_input_len:
+            error = (f"Input length ({n_in} tokens) exceeds the maximum allowed length "
+                     f"({self.max_req_input_len} tokens).")
+        elif max(recv.input_ids) >= self.model_runner.vocab_size or min(recv.input_ids) < 0:
+            error = f"input_ids must be in [0, {self.model_runner.vocab_size})."
+        elif (self.server_args.max_queued_requests is not None
+              and len(self.waiting_queue) >= self.server_args.max_queued_requests):
+            req.abort("The request queue is full.", status_code=503)
+        if error is not None:
+            req.abort(error, status_code=400)
+        if req.finished:
+            self._send_outputs([req])
+            return req
+        self.waiting_queue.append(req)
+        return req
+
+    def abort_request(self, recv: AbortReq) -> None:
+        keep = []
+        for req in self.waiting_queue:
+            if recv.abort_all or req.rid == recv.rid:
+                req.finished_reason = {"type": "abort", "message": "Abort in waiting queue"}
+                self._send_outputs([req])
+            else:
+                keep.append(req)
+        self.waiting_queue = keep
+        # Running requests finish at the next result processing, which frees their KV.
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if recv.abort_all or req.rid == recv.rid:
+                req.abort("Aborted by AbortReq.")
+        if self.chunked_req is not None and self.chunked_req.finished:
+            self._release_chunked(self.chunked_req)
+            self._send_outputs([self.chunked_req])
+            self.chunked_req = None
+        self._reap_finished_running()
+
+    def flush_cache(self) -> bool:
+        if self.waiting_queue or self.running or self.chunked_req:
+            return False
+        # Idle, so every slot is either free or held by the tree: drop both together.
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
+        return True
+
+    def internal_state(self) -> dict[str, Any]:
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "available_size": self.allocator.available_size(),
+            "evictable_size": self.tree_cache.evictable_size(),
+            "protected_size": self.tree_cache.protected_size(),
+            "num_free_req_slots": self.req_to_token_pool.available_size(),
+            "max_running_requests": self.model_runner.max_running_requests,
+            "num_running_reqs": len(self.running),
+            "num_queue_reqs": len(self.waiting_queue),
+            "last_gen_throughput": self.stats.gen_throughput,
+            "memory_usage": {"token_capacity": self.max_total_num_tokens},
+        }
+
+    # ================================================================== scheduling
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running:
+            return self.prepare_decode()
+        return None
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running_now = len(self.running) + (1 if self.chunked_req else 0)
+        max_new_reqs = min(self.model_runner.max_running_requests - running_now,
+                           self.req_to_token_pool.available_size() + (1 if self.chunked_req else 0))
+        if max_new_reqs <= 0 and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+                             self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size,
+                             self.page_size, max(max_new_reqs, 1))
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        order_waiting_queue(self.server_args.schedule_policy, self.waiting_queue, self.tree_cache)
+        for req in self.waiting_queue:
+            if adder.new_chunked_req is not None:
+                break
+            self._match_prefix(req)
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                if req in adder.can_run:
+                    continue
+                break
+        if not adder.can_run:
+            return None
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        return self.prepare_extend(adder.can_run)
+
+    def _match_prefix(self, req: Req) -> None:
+        req.init_next_round_input()
+        # The last token is always recomputed: its logits pick the next token.
+        match = self.tree_cache.match_prefix(req.fill_ids[:-1])
+        req.prefix_indices = match.device_indices
+        req.last_node = match.last_device_node
+        req.last_host_node = match.last_host_node
+        req.host_hit_length = match.host_hit_length
+
+    def _alloc_or_evict(self, alloc_fn: Any, need: int, *args: Any) -> Optional[torch.Tensor]:
+        if self.allocator.available_size() < need + self.page_size:
+            self.tree_cache.evict(need + self.page_size - self.allocator.available_size())
+        return alloc_fn(*args)
+
+    def prepare_extend(self, reqs: list[Req]) -> ScheduleBatch:
+        pool = self.req_to_token_pool
+        for req in reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = pool.alloc(1)[0]
+                n_prefix = len(req.prefix_indices)
+                if n_prefix:
+                    pool.req_to_token[req.req_pool_idx, :n_prefix] = req.prefix_indices.to(torch.int32)
+                if not req.admitted_once:
+                    req.cached_tokens_device = n_prefix - req.host_hit_length
+                    req.cached_tokens_host = req.host_hit_length
+                    req.admitted_once = True
+        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        seq_lens = [len(r.fill_ids) for r in reqs]
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        last_loc = [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1
+                    for r, p in zip(reqs, prefix_lens)]
+        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_extend, sum(extend_lens),
+                                             prefix_lens, seq_lens, last_loc)
+        if out_cache_loc is None:
+            raise RuntimeError("KV pool exhausted during prefill admission (budget accounting bug)")
+        offset = 0
+        input_ids, positions = [], []
+        for req, p, s in zip(reqs, prefix_lens, seq_lens):
+            pool.req_to_token[req.req_pool_idx, p:s] = out_cache_loc[offset:offset + s - p].to(torch.int32)
+            offset += s - p
+            input_ids.extend(req.fill_ids[p:s])
+            positions.extend(range(p, s))
+        dev = self.device
+        batch = ScheduleBatch(
+            reqs=reqs, forward_mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=out_cache_loc.to(dev),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=extend_lens, extend_prefix_lens_cpu=prefix_lens,
+            chunked_req=self.chunked_req)
+        self._log_prefill(reqs, extend_lens)
+        return batch
+
+    def prepare_decode(self) -> Optional[ScheduleBatch]:
+        self._retract_until_fits()
+        reqs = self.running
+        if not reqs:
+            return None
+        # KV of output token i is written when it is fed back: position seqlen - 1.
+        seq_lens = [r.seqlen for r in reqs]
+        pool = self.req_to_token_pool
+        idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        pos = torch.tensor(seq_lens, dtype=torch.int64) - 1
+        last_loc = pool.req_to_token[idx, pos - 1].tolist()
+        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_decode, len(reqs), seq_lens, last_loc)
+        if out_cache_loc is None:
+            raise RuntimeError("KV pool exhausted after retraction (accounting bug)")
+        pool.req_to_token[idx, pos] = out_cache_loc.to(torch.int32)
+        dev = self.device
+        return ScheduleBatch(
+            reqs=list(reqs), forward_mode=ForwardMode.DECODE,
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
+            positions=pos.to(dev), out_cache_loc=out_cache_loc.to(dev), req_pool_indices=idx.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=[1] * len(reqs), extend_prefix_lens_cpu=[s - 1 for s in seq_lens])
+
+    def _decode_room(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def _retract_until_fits(self) -> None:
+        """Move running requests back to the waiting queue until one decode step fits."""
+        need = len(self.running) * self.page_size
+        retracted = []
+        while self.running and self._decode_room() < need:
+            req = self.running.pop()  # the most recently admitted loses its place
+            retracted.append(req)
+            # Its KV goes into the radix cache (unlocked), so readmission re-uses what survives.
+            self.tree_cache.cache_finished_req(req)
+            self._reset_kv_state(req)
+            req.is_retracted = True
+            need = len(self.running) * self.page_size
+        if retracted:
+            self.stats.num_retracted_reqs += len(retracted)
+            self.waiting_queue = retracted[::-1] + self.waiting_queue
+            self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
+            logger.info("Retracted %d requests; #running-req: %d", len(retracted), len(self.running))
+
+    def _reset_kv_state(self, req: Req) -> None:
+        req.req_pool_idx = None
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.last_node = None
+
+    def _release_chunked(self, req: Req) -> None:
+        """Free an unfinished prompt's KV: the tree keeps the page-aligned part, we free the tail."""
+        n_tree = len(req.prefix_indices) // self.page_size * self.page_size
+        if len(req.prefix_indices) > n_tree:
+            self.allocator.free(req.prefix_indices[n_tree:])
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self._reset_kv_state(req)
+
+    # ================================================================== run + results
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        logits = self.model_runner.forward(batch)
+        if batch.forward_mode.is_extend():
+            self.process_prefill_result(batch, logits)
+        else:
+            self.process_decode_result(batch, logits)
+
+    def process_prefill_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        done = [i for i, r in enumerate(batch.reqs) if r is not batch.chunked_req]
+        if done:
+            next_ids = self.model_runner.sample(logits[done], [batch.reqs[i] for i in done],
+                                                self.eos_token_ids)
+        hit = sum(batch.extend_prefix_lens_cpu)
+        self.stats.cache_hit_rate = hit / max(1, hit + sum(batch.extend_seq_lens_cpu))
+        finished = []
+        for i, tok in zip(done, next_ids if done else []):
+            req = batch.reqs[i]
+            req.output_ids.append(tok)
+            if req.max_new_tokens == 0:
+                req.finished_reason = {"type": "length", "length": 0}
+            elif not req.finished:
+                req.check_finished(self.tokenizer, self.context_len)
+            if req.finished:
+                self.tree_cache.cache_finished_req(req)
+                finished.append(req)
+            else:
+                # Insert the prompt now, so requests arriving meanwhile share it.
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+        if batch.chunked_req is not None:
+            req = batch.chunked_req
+            self.tree_cache.cache_unfinished_req(req)
+            req.fill_ids = req.origin_input_ids + req.output_ids
+        self._send_outputs([batch.reqs[i] for i in done])
+
+    def process_decode_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        next_ids = self.model_runner.sample(logits, batch.reqs, self.eos_token_ids)
+        for req, tok in zip(batch.reqs, next_ids):
+            if req.finished:  # aborted while this step ran
+                continue
+            req.output_ids.append(tok)
+            req.check_finished(self.tokenizer, self.context_len)
+        self._gen_tokens_since_log += len(batch.reqs)
+        self._decode_steps += 1
+        self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+        self._send_outputs(batch.reqs)
+        self._reap_finished_running()
+        if self._decode_steps % self.server_args.decode_log_interval == 0:
+            self._log_decode()
+
+    def _reap_finished_running(self) -> None:
+        still = []
+        for req in self.running:
+            if req.finished:
+                self.tree_cache.cache_finished_req(req)
+                if req.finished_reason["type"] == "abort":
+                    self._send_outputs([req])
+            else:
+                still.append(req)
+        self.running = still
+
+    # ================================================================== output
+    def _send_outputs(self, reqs: list[Req]) -> None:
+        interval = self.server_args.stream_interval
+        out = BatchTokenIDOut([], [], [], [], [], [], [], stats=self._update_stats())
+        for req in reqs:
+            n_report = min(len(req.output_ids), req.max_new_tokens)
+            pending = n_report - req.sent_offset
+            if not req.finished:
+                if not req.stream:
+                    continue
+                step = req.sampling_params.stream_interval or interval
+                if pending < step and req.sent_offset > 0:
+                    continue
+            out.rids.append(req.rid)
+            out.new_output_ids.append(req.output_ids[req.sent_offset:n_report])
+            req.sent_offset = n_report
+            out.finished_reasons.append(req.finished_reason)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(n_report)
+            out.cached_tokens_device.append(req.cached_tokens_device)
+            out.cached_tokens_host.append(req.cached_tokens_host)
+        if out.rids:
+            self._emit(out)
+
+    def _emit(self, msg: Any) -> None:
+        if self.send_to_api is None:
+            self.outbox.append(msg)
+        else:
+            self.send_to_api.send_pyobj(msg)
+
+    def _update_stats(self) -> SchedulerStats:
+        s = self.stats
+        s.num_running_reqs = len(self.running)
+        s.num_queue_reqs = len(self.waiting_queue)
+        s.num_used_tokens = self.max_total_num_tokens - self.allocator.available_size()
+        s.token_usage = s.num_used_tokens / self.max_total_num_tokens
+        return s
+
+    def _log_prefill(self, reqs: list[Req], extend_lens: list[int]) -> None:
+        cached = sum(len(r.prefix_indices) for r in reqs)
+        self._update_stats()
+        logger.info("Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                    "#running-req: %d, #queue-req: %d", len(reqs), sum(extend_lens), cached,
+                    self.stats.token_usage, len(self.running), len(self.waiting_queue))
+
+    def _log_decode(self) -> None:
+        now = time.monotonic()
+        self.stats.gen_throughput = self._gen_tokens_since_log / max(1e-9, now - self._last_log_time)
+        self._gen_tokens_since_log, self._last_log_time = 0, now
+        self._update_stats()
+        logger.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
+                    "gen throughput (token/s): %.2f, #queue-req: %d", len(self.running),
+                    self.stats.num_used_tokens, self.stats.token_usage, self.stats.gen_throughput,
+                    len(self.waiting_queue))
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
+    """Entry point of the scheduler process: build, report readiness (or the error), loop."""
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="[%(asctime)s scheduler] %(message)s")
+    try:
+        scheduler = Scheduler(server_args, port_args)
+    except Exception as e:  # reported to the launcher, which exits with it
+        pipe_writer.send(f"scheduler failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        return
+    pipe_writer.send(scheduler.ready_message())
+    scheduler.event_loop()

@@ -1,0 +1,30 @@
+"""RMSNorm, with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
+
+    `forward(x, residual)` first adds `residual` to `x` and returns the sum as
+    the new residual stream, so a decoder layer needs no separate add.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

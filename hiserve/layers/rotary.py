@@ -1,0 +1,101 @@
+"""Rotary position embedding (RoPE), NeoX style (the rotate-half form HF Llama uses).
+
+The first `rotary_dim` channels of each head are split in two halves (x1, x2)
+and rotated by angle pos * inv_freq[i]:  (x1*cos - x2*sin, x2*cos + x1*sin).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Per-pair inverse frequencies [rotary_dim // 2], float32, scaling applied."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: divide each frequency
+        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
+        return inv_freq / factors
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3, freq_factors)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths are slowed by `factor`, short ones kept,
+    and the band between is interpolated linearly in 1/wavelength."""
+    factor = float(s["factor"])
+    low_ff = float(s.get("low_freq_factor", 1.0))
+    high_ff = float(s.get("high_freq_factor", 4.0))
+    old_ctx = float(s.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_ctx / low_ff  # wavelengths above this are scaled fully
+    high_freq_wavelen = old_ctx / high_ff  # wavelengths below this are untouched
+    smooth = ((old_ctx / wavelen) - low_ff) / (high_ff - low_ff)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds a [max_position, rotary_dim] float32 cache: cos in the first half, sin in the second.
+
+    Use `get_cos_sin(positions)` once per forward and `apply(x, cos_sin)` per layer.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict | None = None,
+        rotary_dim: int | None = None,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        self.max_position = max_position
+        inv_freq = compute_inv_freq(self.rotary_dim, base, rope_scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, rotary_dim // 2] float32."""
+        cs = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
+        half = self.rotary_dim // 2
+        return cs[..., :half], cs[..., half:]
+
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, head_dim] (any dtype) -> rotated copy, same dtype/shape."""
+        cos, sin = cos_sin
+        half = self.rotary_dim // 2
+        xf = x.float()
+        x1 = xf[..., :half]
+        x2 = xf[..., half : self.rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.rotary_dim < self.head_dim:
+            parts.append(xf[..., self.rotary_dim :])
+        return torch.cat(parts, dim=-1).to(x.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Convenience form: q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes."""
+        cs = self.get_cos_sin(positions)
+        t = q.shape[0]
+        q_out = self.apply(q.view(t, -1, self.head_dim), cs).reshape(q.shape)
+        k_out = self.apply(k.view(t, -1, self.head_dim), cs).reshape(k.shape)
+        return q_out, k_out

@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2-style qkv bias).
+
+q/k/v share one Linear (`qkv_proj`) and gate/up share one (`gate_up_proj`);
+`load_weights` stacks the separate checkpoint tensors into them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hiserve.layers.activations import SiluAndMul
+from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.layers.logits import LogitsProcessor
+from hiserve.layers.norms import RMSNorm
+from hiserve.layers.rotary import RotaryEmbedding
+from hiserve.models.model_config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu")
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False, dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryEmbedding,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        t = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        qk_size = self.q_size + self.kv_size
+        # q and k are adjacent in qkv: rotate both heads sets in one call.
+        qk = rotary.apply(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        q = qk[:, : self.num_heads].reshape(t, self.q_size)
+        k = qk[:, self.num_heads :].reshape(t, self.kv_size)
+        v = qkv[:, qk_size:]
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden_states, residual, cos_sin, rotary, forward_batch):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin, rotary, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
+        hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.get_cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos_sin, self.rotary_emb, forward_batch)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.logits_processor = LogitsProcessor()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Returns float32 logits [B, vocab] for the last new token of each request."""
+        hidden_states = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head_weight, forward_batch)
+
+    def _shard_range(self, shard, dim0: int) -> tuple[int, int]:
+        cfg = self.config
+        if shard in (0, 1):  # gate / up halves
+            return shard * dim0 // 2, dim0 // 2
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises if a parameter stays unset or a name is unknown."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, int] = {}  # parameter name -> rows written
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = name, None
+            for frag, (fused, shard_id) in _STACKED.items():
+                if frag in name:
+                    target, shard = name.replace(frag, fused), shard_id
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[target]
+            dest = param.data
+            if shard is not None:
+                start, size = self._shard_range(shard, dest.shape[0])
+                dest = dest.narrow(0, start, size)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded[target] = loaded.get(target, 0) + tensor.shape[0]
+        missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"parameters not (fully) loaded from the checkpoint: {missing[:8]}")

