@@ -59,6 +59,11 @@ class PrefillAdder:
         # Locked prefix slots are no longer evictable: they leave the budget.
         self.rem_total_tokens -= before - self.tree_cache.evictable_size()
 
+    def _unlock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.rem_total_tokens += self.tree_cache.evictable_size() - before
+
     def _take(self, req: Req, extend_len: int) -> None:
         req.extend_input_len = extend_len
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + extend_len]
@@ -88,15 +93,19 @@ class PrefillAdder:
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
         extend_len = len(req.fill_ids) - len(req.prefix_indices)
-        total_need = extend_len + min(req.max_new_tokens - len(req.output_ids), _DECODE_RESERVE_CLIP)
-        if total_need + self.page_size > self.rem_total_tokens:
-            return AddResult.NO_TOKEN
         limit = self._chunk_limit()
         if self.rem_input_tokens <= 0 or (limit is not None and limit <= 0):
             return AddResult.OTHER
         if extend_len > self.rem_input_tokens and self.can_run:
             return AddResult.OTHER
+        # Lock first: the request's own cached prefix must not count as room for it.
         self._lock(req)
+        total_need = extend_len + min(req.max_new_tokens - len(req.output_ids), _DECODE_RESERVE_CLIP)
+        if limit is not None:
+            total_need = min(total_need, limit)
+        if total_need + self.page_size > self.rem_total_tokens:
+            self._unlock(req)
+            return AddResult.NO_TOKEN
         if limit is not None and extend_len > limit:
             self.new_chunked_req = req
             self._take(req, limit)

@@ -71,11 +71,11 @@ class ReqToTokenPool:
 class TokenToKVPoolAllocator:
     """Page-granular allocator of device KV slots.
 
-    Free pages live in a sorted int64 tensor on the pool's device; allocations take
-    from its front, so a fresh pool hands out ascending, contiguous pages. Freed pages
-    go to a side list and are merged back (and re-sorted) only when the front runs
-    short: freeing is O(1) Python work and allocation is a slice, so neither costs a
-    per-token Python loop. All sizes in this class are in tokens (slots) unless the
+    Free pages live in an int64 tensor on the pool's device; allocations take from
+    its front, so a fresh pool hands out ascending, contiguous pages. Freed pages go
+    to a side list and are appended, sorted, only when the front runs short (FIFO
+    between batches of frees, ascending within one): freeing is O(1) Python work and
+    allocation is a slice, so neither costs a per-token Python loop. All sizes in this class are in tokens (slots) unless the
     name says pages.
 
     Args:
@@ -116,16 +116,19 @@ class TokenToKVPoolAllocator:
         self._released_pages: list[torch.Tensor] = []
         self._num_released_pages = 0
         self._free_group: list[torch.Tensor] | None = None
+        self._free_group_depth = 0
 
     def available_size(self) -> int:
         """Free tokens = free pages x page_size (pages held in an open free group not counted)."""
         return (len(self._free_pages) + self._num_released_pages) * self.page_size
 
     def _merge_released_pages(self) -> None:
+        # Sorting only the released pages keeps the merge O(R log R) for R released
+        # pages; the unallocated remainder (already sorted) stays in front of them.
         if not self._released_pages:
             return
-        merged = torch.cat([self._free_pages, *self._released_pages])
-        self._free_pages = torch.sort(merged).values
+        released = torch.sort(torch.cat(self._released_pages)).values
+        self._free_pages = torch.cat([self._free_pages, released])
         self._released_pages = []
         self._num_released_pages = 0
 
@@ -193,25 +196,25 @@ class TokenToKVPoolAllocator:
             return torch.empty(0, dtype=torch.int64, device=self.device)
 
         # Vectorised per-token gather. For output token j of request r at local index t:
-        #   t <  fill_r : slot = last_loc_r + 1 + t              (the partially used page)
-        #   t >= fill_r : slot = new_slots[page_start_r * P + t - fill_r]
+        #   t <  fill_r : slot = last_loc_r + 1 + t                       (its partially used page)
+        #   t >= fill_r : slot = new_slots[page_start_r * P - fill_r + t] (its new pages)
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         out_starts = as_tensor([0, *accumulate(extend_lens)][:-1])
-        page_starts = as_tensor([0, *accumulate(page_counts)][:-1])
         fill = as_tensor(fill_lens)
-        last = torch.as_tensor(last_loc, dtype=torch.int64).to(self.device)
+        partial_base = torch.as_tensor(last_loc, dtype=torch.int64).to(self.device) + 1
         req = torch.repeat_interleave(
             torch.arange(len(extend_lens), device=self.device), as_tensor(extend_lens), output_size=num_tokens
         )
         t = torch.arange(num_tokens, dtype=torch.int64, device=self.device) - out_starts[req]
-        from_partial = last[req] + 1 + t
+        from_partial = partial_base[req] + t
         if len(pages) == 0:
             return from_partial
-        new_slots = self._pages_to_slots(pages)
-        k = (page_starts[req] * P + t - fill[req]).clamp_(0, len(new_slots) - 1)
-        return torch.where(t < fill[req], from_partial, new_slots[k])
+        page_base = as_tensor([0, *accumulate(page_counts)][:-1]) * P - fill
+        # Only the t < fill_r entries can fall below 0 (they are discarded by the where).
+        k = (page_base[req] + t).clamp_(min=0)
+        return torch.where(t < fill[req], from_partial, self._pages_to_slots(pages)[k])
 
     def alloc_decode(self, seq_lens: list[int], last_loc: list[int] | torch.Tensor) -> torch.Tensor | None:
         """One slot per request for its position `seq_len - 1`.
@@ -256,11 +259,24 @@ class TokenToKVPoolAllocator:
         self._num_released_pages += len(pages)
 
     def free_group_begin(self) -> None:
-        """Start collecting frees; they are applied together by `free_group_end()`."""
-        self._free_group = []
+        """Start collecting frees; they are applied together by the matching `free_group_end()`.
+
+        Groups nest: only the outermost end applies the frees.
+        """
+        if self._free_group_depth == 0:
+            self._free_group = []
+        self._free_group_depth += 1
 
     def free_group_end(self) -> None:
-        """Apply the frees collected since `free_group_begin()` in one call."""
+        """Close a group; the outermost close frees everything collected in one call.
+
+        Raises RuntimeError without a matching `free_group_begin()`.
+        """
+        if self._free_group_depth == 0:
+            raise RuntimeError("free_group_end() without free_group_begin()")
+        self._free_group_depth -= 1
+        if self._free_group_depth > 0:
+            return
         group, self._free_group = self._free_group, None
         if group:
             self.free(torch.cat([g.to(self.device, torch.int64) for g in group]))

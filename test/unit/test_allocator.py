@@ -102,6 +102,23 @@ def test_free_group_batches_frees():
     drain(allocator)
 
 
+def test_free_groups_nest():
+    allocator = TokenToKVPoolAllocator(16, 1, "cpu", None)
+    slots = allocator.alloc(10)
+    allocator.free_group_begin()
+    allocator.free(slots[:3])
+    allocator.free_group_begin()  # e.g. an eviction inside a batch of frees
+    allocator.free(slots[3:5])
+    allocator.free_group_end()
+    assert allocator.available_size() == 6
+    allocator.free(slots[5:])
+    allocator.free_group_end()
+    assert allocator.available_size() == 16
+    with pytest.raises(RuntimeError):
+        allocator.free_group_end()
+    drain(allocator)
+
+
 # ---- alloc_extend / alloc_decode -----------------------------------------------------
 
 

@@ -1,0 +1,446 @@
+"""Request and response models of the HTTP API: native `/generate` and the OpenAI routes.
+
+Requests validate strictly (pydantic strict mode): a string where a number is expected is
+a 400 that names the parameter, never a silent coercion. Unknown top-level keys are
+accepted and ignored, because benchmark clients send SGLang extras (`lora_path`,
+`return_logprob`, ...); a key that asks for a feature hiserve lacks (logprobs, tools,
+constrained decoding) is refused with a 400 rather than ignored.
+
+The `ApiError` family is the only way the API process reports a failed request; the HTTP
+server turns each into a status code and the error envelope in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hiserve.engine.sampling_params import SamplingParams
+
+# ================================================================== errors
+
+
+class ApiError(Exception):
+    """A request that failed; `status_code` and `param` go straight into the response."""
+
+    status_code = 500
+    err_type = "server_error"
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Union[int, str, None] = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = self.status_code if code is None else code
+
+
+class BadRequestError(ApiError):
+    status_code = 400
+    err_type = "invalid_request_error"
+
+
+class NotFoundError(ApiError):
+    status_code = 404
+    err_type = "invalid_request_error"
+
+
+class ServiceUnavailableError(ApiError):
+    status_code = 503
+    err_type = "service_unavailable"
+
+
+class ClientDisconnectedError(ApiError):
+    """The client went away before its answer was ready (nobody reads the response)."""
+
+    status_code = 499
+    err_type = "client_disconnected"
+
+
+def error_for_status(status_code: int, message: str) -> ApiError:
+    """The ApiError for a status the scheduler attached to an aborted request."""
+    cls = {400: BadRequestError, 404: NotFoundError, 503: ServiceUnavailableError}.get(status_code, ApiError)
+    return cls(message)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Union[int, str, None] = None
+
+
+class ErrorResponse(BaseModel):
+    """The nested OpenAI error envelope, used by every route (401 excepted)."""
+
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, err: ApiError) -> "ErrorResponse":
+        return cls(error=ErrorDetail(message=err.message, type=err.err_type, param=err.param, code=err.code))
+
+
+def param_from_loc(loc: tuple[Any, ...]) -> Optional[str]:
+    """Name the request field a pydantic error location points at.
+
+    `("body", "max_tokens")` -> "max_tokens"; inside `sampling_params` the inner key is the
+    parameter (`("body", "sampling_params", "SamplingParamsInput", "top_k")` -> "top_k").
+    """
+    parts = [p for p in loc if isinstance(p, str)]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    if not parts:
+        return None
+    if parts[0] == "sampling_params":
+        for p in parts[1:]:
+            if p in SamplingParamsInput.model_fields:
+                return p
+    return parts[0]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# ================================================================== native /generate
+
+
+class SamplingParamsInput(_Strict):
+    """`sampling_params` of /generate, typed; converted to the engine's `SamplingParams`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # a typo must not fall back to a default
+
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: Optional[int] = None
+    stream_interval: Optional[int] = None
+    custom_params: Optional[dict[str, Any]] = None  # accepted, unused (no custom logit processors)
+    # SGLang features hiserve does not implement: refused when set.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    stop_regex: Union[str, list[str], None] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        for name in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex"):
+            if getattr(self, name) is not None:
+                raise BadRequestError(f"{name} is not supported by this server.", param=name)
+        if self.logit_bias:
+            raise BadRequestError("logit_bias is not supported by this server.", param="logit_bias")
+        fields = self.model_dump(exclude={"custom_params", "json_schema", "regex", "ebnf",
+                                          "structural_tag", "stop_regex", "logit_bias"})
+        return SamplingParams(**fields)
+
+
+class GenerateReqInput(_Strict):
+    """Body of POST /generate. Exactly one of `text` / `input_ids`; a list makes a batch."""
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: Union[SamplingParamsInput, list[SamplingParamsInput], None] = None
+    stream: bool = False
+    rid: Union[str, list[str], None] = None
+    # Accepted for client compatibility (bench_serving, bench_multiturn send them).
+    return_logprob: Union[bool, list[bool], None] = None
+    logprob_start_len: Union[int, list[int], None] = None
+    top_logprobs_num: Union[int, list[int], None] = None
+    return_text_in_logprobs: Optional[bool] = None
+    lora_path: Union[str, list[Optional[str]], None] = None
+    stream_options: Optional[dict[str, Any]] = None
+    input_embeds: Optional[Any] = None
+    image_data: Optional[Any] = None
+
+    def check_supported(self) -> None:
+        """Refuse the accepted-for-compatibility keys when they ask for something real."""
+        if self.input_embeds is not None:
+            raise BadRequestError("input_embeds is not supported by this server.", param="input_embeds")
+        if self.image_data:
+            raise BadRequestError("image_data is not supported by this server.", param="image_data")
+        wants_logprob = self.return_logprob
+        if any(wants_logprob) if isinstance(wants_logprob, list) else wants_logprob:
+            raise BadRequestError("return_logprob is not supported by this server.", param="return_logprob")
+        paths = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path]
+        if any(paths):
+            raise BadRequestError("LoRA adapters are not supported by this server.", param="lora_path")
+
+
+class AbortReqInput(_Strict):
+    """Body of POST /abort_request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+# ================================================================== OpenAI requests
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # accepted; usage comes in the final chunk only
+
+
+class _OpenAISampling(_Strict):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (SGLang extras included)."""
+
+    model: Optional[str] = None  # echoed back, never validated (clients pass the model path)
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # SGLang extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    rid: Union[str, list[str], None] = None
+    lora_path: Optional[str] = None
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+    stop_regex: Union[str, list[str], None] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _check_supported(self) -> None:
+        for name in ("regex", "json_schema", "ebnf", "stop_regex", "lora_path"):
+            if getattr(self, name):
+                raise BadRequestError(f"{name} is not supported by this server.", param=name)
+        if self.logit_bias:
+            raise BadRequestError("logit_bias is not supported by this server.", param="logit_bias")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise BadRequestError("Only response_format {'type': 'text'} is supported.",
+                                  param="response_format")
+
+    def _sampling_params(self, max_new_tokens: Optional[int]) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens,
+            temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
+            n=self.n, sampling_seed=self.seed)
+
+
+def _positive_or_none(value: Optional[int], name: str) -> Optional[int]:
+    if value is not None and value <= 0:
+        raise BadRequestError(f"{name} must be positive, got {value}.", param=name)
+    return value
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_supported()
+        if self.echo:
+            raise BadRequestError("echo is not supported by this server.", param="echo")
+        if self.logprobs is not None:
+            raise BadRequestError("logprobs is not supported by this server.", param="logprobs")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise BadRequestError("best_of must equal n (no best-of sampling).", param="best_of")
+        if self.suffix:
+            raise BadRequestError("suffix is not supported by this server.", param="suffix")
+        return self._sampling_params(_positive_or_none(self.max_tokens, "max_tokens"))
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt as a batch: each entry a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            batch = [p]
+        else:
+            batch = list(p)
+        if not batch or any(len(x) == 0 for x in batch):
+            raise BadRequestError("Prompt cannot be empty", param="prompt")
+        return batch
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ... pass to the template
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # deprecated alias of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    separate_reasoning: bool = True  # accepted; there is no reasoning parser
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_supported()
+        if not self.messages:
+            raise BadRequestError("Messages cannot be empty.", param="messages")
+        if self.logprobs or self.top_logprobs:
+            raise BadRequestError("logprobs is not supported by this server.", param="logprobs")
+        if self.tools:
+            raise BadRequestError("tools are not supported by this server.", param="tools")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(_positive_or_none(limit, self.max_tokens_param))
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them: content a string, text parts joined."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg = m.model_dump()
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise BadRequestError(f"messages[{i}]: only text content parts are supported.",
+                                              param="messages")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            msg["content"] = content if content is not None else ""
+            out.append(msg)
+        return out
+
+
+# ================================================================== OpenAI responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[int, str, None] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": "default"})
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+    reasoning_content: None = None
+    tool_calls: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": "default"})
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role", "content"} first, then {"content"}, then {} with finish_reason
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[int, str, None] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hiserve"
+    root: str
+    parent: None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,450 @@
+"""The API process's side of a request: tokenize, send to the scheduler, detokenize, stream.
+
+    handler ── make_requests() ──> TokenizedGenerateReqInput ──ZMQ PUSH──> scheduler
+       ^                                                                      │
+       └── generate() yields ReqState <── _recv_loop (one task) <──ZMQ PULL───┘
+                                           BatchTokenIDOut: new ids per request
+
+One background task receives every scheduler message and updates the matching
+`ReqState` (incremental detokenization, stop-string hold-back, metrics), then wakes the
+handler through the state's event. Handlers never touch ZMQ; they iterate `generate()`.
+Leaving that iteration early (client gone, stream cancelled) aborts what is unfinished,
+so the scheduler frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from hiserve.engine.detokenizer import IncrementalDetokenizer, first_stop, visible_len
+from hiserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from hiserve.engine.metrics import ServerMetrics
+from hiserve.engine.protocol import BadRequestError, ClientDisconnectedError, ServiceUnavailableError
+from hiserve.engine.sampling_params import SamplingParams
+from hiserve.models.loader import get_tokenizer
+from hiserve.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
+_RPC_TIMEOUT_S = 30.0
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"stop"}
+
+
+class ReqState:
+    """What the API process knows about one sequence while the scheduler generates it."""
+
+    __slots__ = ("rid", "parent_rid", "index", "stream", "stop_strs", "no_stop_trim", "event", "dirty",
+                 "log_metrics", "detok", "shown", "final_text", "finish_reason", "prompt_tokens",
+                 "completion_tokens", "cached_device", "cached_host", "created", "first_token_at",
+                 "last_token_at", "finished_at")
+
+    def __init__(self, req: TokenizedGenerateReqInput, parent_rid: str, index: int, tokenizer: Any,
+                 event: asyncio.Event, log_metrics: bool):
+        sp = req.sampling_params
+        self.rid = req.rid
+        self.parent_rid = parent_rid
+        self.index = index
+        self.stream = req.stream
+        self.stop_strs = sp.stop_strs
+        self.no_stop_trim = sp.no_stop_trim
+        self.event = event  # shared by the sequences of one HTTP request
+        self.dirty = False  # changed since the handler last looked
+        self.log_metrics = log_metrics
+        self.detok = IncrementalDetokenizer(tokenizer, sp.skip_special_tokens)
+        self.shown = 0  # chars of detok.text that may be shown (stop-string hold-back)
+        self.final_text: Optional[str] = None
+        self.finish_reason: Optional[dict[str, Any]] = None
+        self.prompt_tokens = len(req.input_ids)
+        self.completion_tokens = 0
+        self.cached_device = 0
+        self.cached_host = 0
+        self.created = time.monotonic()
+        self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.detok.ids
+
+    @property
+    def text(self) -> str:
+        """The output so far (cumulative), never showing a stop string or its beginning."""
+        if self.final_text is not None:
+            return self.final_text
+        return self.detok.text[:self.shown]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_device + self.cached_host
+
+    def meta_info(self) -> dict[str, Any]:
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_tokens_details": {"device": self.cached_device, "host": self.cached_host},
+            "weight_version": "default",
+        }
+        if self.finished_at is not None:
+            meta["e2e_latency"] = self.finished_at - self.created
+        return meta
+
+    def update(self, new_ids: list[int], finish_reason: Optional[dict[str, Any]], now: float) -> None:
+        self.detok.step(new_ids)
+        if new_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        text = self.detok.text
+        if finish_reason is None:
+            self.shown = visible_len(text, self.stop_strs, self.shown) if self.stop_strs else len(text)
+            return
+        self.detok.flush()
+        text = self.detok.text
+        matched = finish_reason.get("matched")
+        if finish_reason["type"] == "stop" and isinstance(matched, str) and not self.no_stop_trim:
+            cut = first_stop(text, self.stop_strs or [matched], self.shown)
+            if cut != -1:
+                text = text[:cut]
+        self.final_text = text
+        self.finish_reason = finish_reason
+        self.finished_at = now
+
+
+SubRequest = tuple[str, TokenizedGenerateReqInput]  # (rid the client knows, one sequence)
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, ready: SchedulerReady,
+                 tokenizer: Any = None):
+        self.server_args = server_args
+        self.port_args = port_args
+        self.ready = ready
+        self.context_len = ready.context_len
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
+        self.model_name = server_args.served_model_name
+        self.metrics = ServerMetrics(self.model_name)
+
+        # Sends never block (no high-water mark), so an abort can be sent from a cancelled task.
+        self._send_ctx = zmq.Context()
+        self._send_sock = self._send_ctx.socket(zmq.PUSH)
+        self._send_sock.setsockopt(zmq.SNDHWM, 0)
+        self._send_sock.connect(port_args.scheduler_input_ipc_name)
+        self._recv_ctx: Optional[zmq.asyncio.Context] = None
+        self._recv_sock: Optional[zmq.asyncio.Socket] = None
+        self._recv_task: Optional[asyncio.Task] = None
+
+        self.rid_to_state: dict[str, ReqState] = {}
+        self._rpc_waiters: dict[type, asyncio.Future] = {}
+        self._rpc_lock: Optional[asyncio.Lock] = None
+        self.is_warm = False  # set after the warm-up request (or at once with --skip-server-warmup)
+        self.dead_reason: Optional[str] = None  # set when the scheduler process is gone
+        self.last_recv_time = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Bind the receive socket and start the receive task (inside the server's event loop)."""
+        if self._recv_task is not None:
+            return
+        self._recv_ctx = zmq.asyncio.Context()
+        self._recv_sock = self._recv_ctx.socket(zmq.PULL)
+        self._recv_sock.bind(self.port_args.tokenizer_ipc_name)
+        self._rpc_lock = asyncio.Lock()
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            await asyncio.gather(self._recv_task, return_exceptions=True)
+            self._recv_task = None
+        if self._recv_sock is not None:
+            self._recv_sock.close(linger=0)
+            self._recv_ctx.term()
+            self._recv_sock = None
+        self._send_sock.close(linger=0)
+        self._send_ctx.term()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.is_warm and self.dead_reason is None
+
+    def scheduler_died(self, reason: str) -> None:
+        """Fail everything in flight and refuse new work: nothing waits on a dead scheduler."""
+        if self.dead_reason is not None:
+            return
+        logger.error("%s; failing %d in-flight requests", reason, len(self.rid_to_state))
+        self.dead_reason = reason
+        now = time.monotonic()
+        for st in self.rid_to_state.values():
+            st.update([], {"type": "abort", "message": reason, "status_code": 503, "err_type": None}, now)
+            st.dirty = True
+            st.event.set()
+        self.rid_to_state.clear()
+        for fut in self._rpc_waiters.values():
+            if not fut.done():
+                fut.set_exception(ServiceUnavailableError(reason))
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise ServiceUnavailableError(f"The server cannot take requests: {self.dead_reason}")
+
+    def _send(self, msg: Any) -> None:
+        self._send_sock.send_pyobj(msg)
+
+    # ------------------------------------------------------------------ tokenization
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: Optional[dict[str, Any]],
+                            continue_final_message: bool = False) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequestError("The model's tokenizer has no chat template; use /v1/completions.",
+                                  param="messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message, tokenize=True, return_dict=False,
+                **(template_kwargs or {}))
+        except Exception as e:  # jinja errors, bad roles, clashing kwargs: the request's fault
+            raise BadRequestError(f"Applying the chat template failed: {e}", param="messages") from e
+        return list(ids)
+
+    # ------------------------------------------------------------------ validation
+    def make_requests(self, prompts: list[list[int]], params: list[SamplingParams],
+                      rids: Union[str, list[str], None], stream: bool) -> list[SubRequest]:
+        """Check each prompt against the limits and expand n > 1 into n sequences.
+
+        Errors name native parameters (`input_ids`, `max_new_tokens`, ...); the OpenAI
+        routes rename them. Output order is prompt-major: sequence j of prompt i is i*n + j.
+        """
+        self._check_alive()
+        if isinstance(rids, list) and len(rids) != len(prompts):
+            raise BadRequestError(f"rid has {len(rids)} entries for {len(prompts)} prompts.", param="rid")
+        out: list[SubRequest] = []
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            self._check_prompt(ids)
+            try:
+                sp.verify(self.ready.vocab_size)
+            except ValueError as e:
+                word = str(e).split(" ", 1)[0]
+                raise BadRequestError(str(e), param=word if word in _SAMPLING_FIELDS else None) from e
+            if sp.max_new_tokens is None:
+                sp.max_new_tokens = self.context_len - len(ids)
+            elif len(ids) + sp.max_new_tokens > self.context_len:
+                total = len(ids) + sp.max_new_tokens
+                raise BadRequestError(
+                    f"Requested token count exceeds the model's maximum context length of "
+                    f"{self.context_len} tokens. You requested a total of {total} tokens: {len(ids)} "
+                    f"tokens from the input messages and {sp.max_new_tokens} tokens for the "
+                    f"completion. Please reduce the number of tokens in the input messages or the "
+                    f"completion to fit within the limit.", param="max_new_tokens")
+            if isinstance(rids, list):
+                base = rids[i]
+            elif isinstance(rids, str):
+                base = rids if len(prompts) == 1 else f"{rids}-{i}"
+            else:
+                base = uuid.uuid4().hex
+            for j in range(sp.n):
+                seed = sp.sampling_seed
+                if seed is not None and sp.n > 1:
+                    seed += j
+                sub = dataclasses.replace(sp, n=1, sampling_seed=seed)
+                rid = base if sp.n == 1 else f"{base}-{j}"
+                out.append((base, TokenizedGenerateReqInput(rid, ids, sub, stream)))
+        return out
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        n, ctx = len(ids), self.context_len
+        if n == 0:
+            raise BadRequestError("The input is empty.", param="input_ids")
+        if n >= ctx:
+            raise BadRequestError(
+                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens). "
+                f"This model's maximum context length is {ctx} tokens.", param="input_ids")
+        if n > self.ready.max_req_input_len:
+            raise BadRequestError(
+                f"Input length ({n} tokens) exceeds the maximum allowed length "
+                f"({self.ready.max_req_input_len} tokens) of this server; the model's maximum "
+                f"context length is {ctx} tokens.", param="input_ids")
+        vocab = self.ready.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise BadRequestError(f"input_ids must be token ids in [0, {vocab}).", param="input_ids")
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, subreqs: list[SubRequest], request: Any = None,
+                       log_metrics: bool = True) -> AsyncIterator[ReqState]:
+        """Submit the sequences and yield each one's state whenever it changes.
+
+        Streaming sequences are yielded per scheduler update, the others once, finished.
+        With `request` (a Starlette Request; non-streaming only) the client is polled and a
+        disconnect raises ClientDisconnectedError. However the iteration ends, unfinished
+        sequences are aborted.
+        """
+        self._check_alive()
+        for _, req in subreqs:
+            if req.rid in self.rid_to_state:
+                raise BadRequestError(f"A request with rid {req.rid!r} is already running.", param="rid")
+        event = asyncio.Event()
+        states = []
+        for index, (parent, req) in enumerate(subreqs):
+            st = ReqState(req, parent, index, self.tokenizer, event, log_metrics)
+            self.rid_to_state[req.rid] = st
+            states.append(st)
+            self._send(req)
+        remaining = len(states)
+        try:
+            while remaining:
+                if request is None:
+                    await event.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(event.wait(), _DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            raise ClientDisconnectedError("The client disconnected.")
+                        continue
+                event.clear()
+                for st in states:
+                    if st.dirty and (st.stream or st.finished):
+                        st.dirty = False
+                        if st.finished:
+                            remaining -= 1
+                        yield st
+        finally:
+            for st in states:
+                if not st.finished and self.rid_to_state.pop(st.rid, None) is not None:
+                    self._send(AbortReq(rid=st.rid))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._recv_sock.recv_pyobj()
+            self.last_recv_time = time.monotonic()
+            try:
+                if isinstance(msg, BatchTokenIDOut):
+                    self._on_batch_out(msg)
+                elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+                    fut = self._rpc_waiters.pop(type(msg), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                else:
+                    logger.error("unexpected message from the scheduler: %r", type(msg))
+            except Exception:  # one bad message must not stop every request's output
+                logger.exception("failed to process a scheduler message")
+
+    def _on_batch_out(self, out: BatchTokenIDOut) -> None:
+        now = self.last_recv_time
+        if out.stats is not None:
+            self.metrics.update_stats(out.stats)
+        for i, rid in enumerate(out.rids):
+            st = self.rid_to_state.get(rid)
+            if st is None:  # aborted here already
+                continue
+            new_ids = out.new_output_ids[i]
+            if new_ids and st.log_metrics:
+                if st.first_token_at is None:
+                    self.metrics.ttft.observe(now - st.created)
+                else:
+                    self.metrics.itl.observe((now - st.last_token_at) / len(new_ids))
+            st.prompt_tokens = out.prompt_tokens[i]
+            st.completion_tokens = out.completion_tokens[i]
+            st.cached_device = out.cached_tokens_device[i]
+            st.cached_host = out.cached_tokens_host[i]
+            st.update(new_ids, out.finished_reasons[i], now)
+            st.dirty = True
+            if st.finished:
+                del self.rid_to_state[rid]
+                if st.log_metrics:
+                    self.metrics.observe_finished(
+                        st.prompt_tokens, st.completion_tokens, st.cached_device, st.cached_host,
+                        now - st.created, aborted=st.finish_reason["type"] == "abort")
+            if st.stream or st.finished:
+                st.event.set()
+
+    # ------------------------------------------------------------------ control
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort by rid (all n sequences of it) or everything; each finishes with type "abort"."""
+        if abort_all:
+            self._send(AbortReq(abort_all=True))
+            return
+        rids = [st.rid for st in self.rid_to_state.values() if rid in (st.rid, st.parent_rid)]
+        for r in rids or [rid]:
+            self._send(AbortReq(rid=r))
+
+    async def _rpc(self, msg: Any, reply_type: type, timeout: float = _RPC_TIMEOUT_S) -> Any:
+        self._check_alive()
+        async with self._rpc_lock:
+            fut = asyncio.get_running_loop().create_future()
+            self._rpc_waiters[reply_type] = fut
+            self._send(msg)
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise ServiceUnavailableError("The scheduler did not answer in time.") from None
+            finally:
+                self._rpc_waiters.pop(reply_type, None)
+
+    async def flush_cache(self, timeout: float = 0.0) -> FlushCacheReqOutput:
+        """Empty the prefix cache; with `timeout`, keep trying that long for the server to go idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = await self._rpc(FlushCacheReq(), FlushCacheReqOutput)
+            if out.success or time.monotonic() >= deadline:
+                return out
+            await asyncio.sleep(0.1)
+
+    async def get_internal_state(self) -> dict[str, Any]:
+        out = await self._rpc(GetInternalStateReq(), GetInternalStateReqOutput)
+        return out.state
+
+    async def health_check(self, timeout: float) -> bool:
+        """Run a 1-token generation; healthy as soon as the scheduler sends anything at all.
+
+        On a busy server the probe may wait in the queue, but other requests' output
+        already shows the loop is alive, so it answers in well under a second either way.
+        """
+        start = time.monotonic()
+        sp = SamplingParams(max_new_tokens=1, temperature=0.0)
+        req = TokenizedGenerateReqInput(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], sp)
+        gen = self.generate([(req.rid, req)], log_metrics=False)
+
+        async def first() -> ReqState:
+            return await gen.__anext__()
+
+        probe = asyncio.ensure_future(first())
+        try:
+            while not probe.done() and self.last_recv_time <= start:
+                if time.monotonic() - start > timeout:
+                    return False
+                await asyncio.sleep(0.05)
+            if probe.done() and probe.exception() is not None:
+                return False
+            return self.dead_reason is None
+        finally:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+            await gen.aclose()

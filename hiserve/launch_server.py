@@ -1,0 +1,164 @@
+"""`python -m hiserve.launch_server [flags]`: start the scheduler process, then serve HTTP.
+
+    main ──spawn──> scheduler process: run_scheduler_process()
+      │               └── pipe: SchedulerReady (or an error string, then we exit 1)
+      ├── TokenizerManager (tokenizer loaded while the scheduler starts) + FastAPI app
+      └── uvicorn; warm-up /generate; "The server is fired up and ready to roll!"
+
+The scheduler process is killed whenever this process leaves, normally or by SIGTERM /
+SIGINT. If it dies first, requests fail with 503 instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hiserve.server_args import PortArgs, ServerArgs, prepare_server_args
+
+logger = logging.getLogger("hiserve.launch_server")
+
+_WARMUP_PROMPT = "The capital city of France is"
+_WARMUP_TIMEOUT_S = 600.0
+
+
+def _wait_for_scheduler(proc: mp.Process, reader: Any) -> Any:
+    """The SchedulerReady the scheduler sends once; raises if it reports an error or dies first."""
+    while not reader.poll(0.5):
+        if not proc.is_alive() and not reader.poll(0):
+            raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} before it was ready")
+    try:
+        msg = reader.recv()
+    except EOFError:
+        raise RuntimeError("the scheduler process closed its pipe before it was ready") from None
+    if isinstance(msg, str):
+        raise RuntimeError(msg)
+    return msg
+
+
+def _stop_scheduler(proc: mp.Process) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _local_url(server_args: ServerArgs) -> str:
+    host = server_args.host
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{server_args.port}"
+
+
+async def _warm_up(server_args: ServerArgs) -> None:
+    """One greedy /generate through the real HTTP path, so the first user request is not the first."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key else {}
+    body = {"text": _WARMUP_PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    async with httpx.AsyncClient(timeout=_WARMUP_TIMEOUT_S) as client:
+        r = await client.post(_local_url(server_args) + "/generate", json=body, headers=headers)
+    if r.status_code != 200:
+        raise RuntimeError(f"warm-up /generate answered {r.status_code}: {r.text}")
+    logger.info("Warm-up output: %r", r.json()["text"])
+
+
+async def _serve(app: Any, tm: Any, server_args: ServerArgs, proc: mp.Process) -> bool:
+    """Run uvicorn with the warm-up and the scheduler watchdog beside it; False if warm-up failed."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                            log_level=server_args.log_level, timeout_keep_alive=5,
+                            access_log=server_args.log_level == "debug")
+    server = uvicorn.Server(config)
+    warm_up_failed = False
+
+    async def watch_scheduler() -> None:
+        while proc.is_alive():
+            await asyncio.sleep(0.5)
+        tm.scheduler_died(f"the scheduler process exited with code {proc.exitcode}")
+
+    async def warm_up() -> None:
+        nonlocal warm_up_failed
+        while not server.started:
+            await asyncio.sleep(0.05)
+        try:
+            if not server_args.skip_server_warmup:
+                await _warm_up(server_args)
+        except Exception as e:
+            logger.error("Warm-up failed, shutting down: %s", e)
+            warm_up_failed = True
+            server.should_exit = True
+            return
+        tm.is_warm = True
+        logger.info("The server is fired up and ready to roll!")
+
+    tasks = [asyncio.create_task(watch_scheduler()), asyncio.create_task(warm_up())]
+    try:
+        await server.serve()
+    finally:
+        for t in tasks:
+            t.cancel()
+    return not warm_up_failed
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Start everything and serve until stopped; the exit status."""
+    from hiserve.engine.http_server import create_app
+    from hiserve.engine.scheduler import run_scheduler_process
+    from hiserve.engine.tokenizer_manager import TokenizerManager
+    from hiserve.models.loader import get_tokenizer
+
+    port_args = PortArgs.init_new()
+    spawn = mp.get_context("spawn")
+    reader, writer = spawn.Pipe(duplex=False)
+    proc = spawn.Process(target=run_scheduler_process, args=(server_args, port_args, writer),
+                         name="hiserve-scheduler")
+    start = time.monotonic()
+    proc.start()
+    writer.close()  # ours; the child holds its own copy, so its death closes the pipe
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(get_tokenizer, server_args.tokenizer_path)
+            ready = _wait_for_scheduler(proc, reader)
+            logger.info("Scheduler ready in %.1f s: %s", time.monotonic() - start, ready)
+            tm = TokenizerManager(server_args, port_args, ready, tokenizer=tokenizer.result())
+        ok = asyncio.run(_serve(create_app(tm), tm, server_args, proc))
+        return 0 if ok else 1
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        _stop_scheduler(proc)
+        for name in (port_args.scheduler_input_ipc_name, port_args.tokenizer_ipc_name):
+            try:
+                os.unlink(name.removeprefix("ipc://"))
+            except OSError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    # SIGTERM leaves through SystemExit, so `finally` blocks (killing the scheduler) run.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    server_args = prepare_server_args(argv)
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    logger.info("server_args: %s", server_args)
+    return launch_server(server_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
