@@ -54,6 +54,9 @@ class ServerArgs:
     skip_server_warmup: bool = _arg(False, "Skip the warm-up request after start.")
     enable_metrics: bool = _arg(
         True, "Serve Prometheus metrics at /metrics (on by default here; accepted for SGLang scripts).")
+    enable_cache_report: bool = _arg(
+        True, "Report cached prompt tokens in usage.prompt_tokens_details (always on here; accepted "
+        "for SGLang scripts).")
     stream_interval: int = _arg(1, "Tokens between two streamed chunks.")
     decode_log_interval: int = _arg(40, "Decode steps between two 'Decode batch' log lines.")
 

@@ -56,7 +56,10 @@ class ModelRunner:
         self.model.eval()
         self.context_len = server_args.context_length or self.model_config.max_position_embeddings
         self.vocab_size = self.model_config.vocab_size
-        self.init_memory_pool()
+        self.host_pool = None  # the hierarchical cache's host pool (L2), when enabled
+        self.init_memory_pool(reserved_bytes=self._hicache_staging_bytes())
+        if server_args.enable_hierarchical_cache:
+            self.init_host_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()
 
@@ -112,6 +115,31 @@ class ModelRunner:
                                                                  self.token_to_kv_pool)
         logger.info("KV pool: %d tokens, %.1f MB; %d request rows", size,
                     size * self._cell_size_bytes() / 1e6, self.max_running_requests)
+
+    def _hicache_staging_bytes(self) -> int:
+        """Device bytes of the host pool's write-back staging buffers (0 when hicache is off),
+        bounded before the pools exist (64 pages), so the device pool is sized without them."""
+        args, cfg = self.server_args, self.model_config
+        if not args.enable_hierarchical_cache:
+            return 0
+        from hiserve.mem_cache.memory_pool_host import write_back_staging_bytes
+
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if self.is_mla:
+            item_bytes, num_buffers = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize, 1
+        else:
+            item_bytes, num_buffers = cfg.num_key_value_heads * cfg.head_dim * itemsize, 2
+        return write_back_staging_bytes(args.hicache_mem_layout, self.device, None, self.page_size,
+                                        cfg.num_hidden_layers, item_bytes, num_buffers)
+
+    def init_host_pool(self) -> None:
+        """Create the host pool (L2) backing the device pool (--enable-hierarchical-cache)."""
+        from hiserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+        args = self.server_args
+        host_cls = MLATokenToKVPoolHost if self.is_mla else MHATokenToKVPoolHost
+        self.host_pool = host_cls(self.token_to_kv_pool, args.hicache_ratio, args.hicache_size,
+                                  self.page_size, args.hicache_mem_layout)
 
     # ------------------------------------------------------------------ run
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:

@@ -81,6 +81,12 @@ class Scheduler:
 
     def _create_tree_cache(self) -> Any:
         args = self.server_args
+        if args.enable_hierarchical_cache:
+            from hiserve.mem_cache.hiradix_cache import HiRadixCache
+
+            return HiRadixCache(self.req_to_token_pool, self.allocator, self.page_size,
+                                self.model_runner.host_pool, write_policy=args.hicache_write_policy,
+                                io_backend=args.hicache_io_backend)
         return RadixCache(self.req_to_token_pool, self.allocator, self.page_size,
                           disable=args.disable_radix_cache)
 
@@ -107,6 +113,8 @@ class Scheduler:
 
     def check_cache_events(self) -> None:
         """Hook for the hierarchical cache's write/load acknowledgements (every iteration)."""
+        if self.server_args.enable_hierarchical_cache:
+            self.tree_cache.check_hicache_events()
 
     def _recv_requests(self, block: bool) -> list[Any]:
         msgs = []
@@ -181,7 +189,8 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.waiting_queue or self.running or self.chunked_req:
             return False
-        # Idle, so every slot is either free or held by the tree: drop both together.
+        # Idle, so every slot is either free or held by the tree: drop both together
+        # (a HiRadixCache's reset also waits for its transfers and frees every host slot).
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
@@ -229,11 +238,14 @@ class Scheduler:
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
-            self._match_prefix(req)
+            # Loaded-back KV stays locked until its ack: it leaves the budget now.
+            adder.rem_total_tokens -= self._match_prefix(req, mem_quota=adder.rem_total_tokens)
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 if req in adder.can_run:
                     continue
                 break
+        if self.server_args.enable_hierarchical_cache:
+            self.tree_cache.ready_to_load_host_cache()  # start load-backs before any forward
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
@@ -241,7 +253,11 @@ class Scheduler:
         self.chunked_req = adder.new_chunked_req
         return self.prepare_extend(adder.can_run)
 
-    def _match_prefix(self, req: Req) -> None:
+    def _match_prefix(self, req: Req, mem_quota: Optional[int] = None) -> int:
+        """Set the request's cached prefix; returns tokens loaded back from the host tier."""
+        # A request refused after an earlier load-back finds that prefix on the device now;
+        # it was still served from the host tier.
+        loaded_before = req.host_hit_length if not req.admitted_once else 0
         req.init_next_round_input()
         # The last token is always recomputed: its logits pick the next token.
         match = self.tree_cache.match_prefix(req.fill_ids[:-1])
@@ -249,6 +265,20 @@ class Scheduler:
         req.last_node = match.last_device_node
         req.last_host_node = match.last_host_node
         req.host_hit_length = match.host_hit_length
+        if not self.server_args.enable_hierarchical_cache:
+            return 0
+        loaded = 0
+        if match.host_hit_length > 0:  # all or nothing; below the threshold it is recomputed
+            indices, last_node = self.tree_cache.init_load_back(
+                match.last_host_node, match.host_hit_length, mem_quota)
+            loaded = len(indices)
+            if loaded:
+                req.prefix_indices = torch.cat([match.device_indices, indices])
+                req.last_node = last_node
+        # Tokens actually loaded back (0 when skipped): prepare_extend reports them as
+        # cached_tokens_host.
+        req.host_hit_length = loaded or min(loaded_before, len(req.prefix_indices))
+        return loaded
 
     def _alloc_or_evict(self, alloc_fn: Any, need: int, *args: Any) -> Optional[torch.Tensor]:
         if self.allocator.available_size() < need + self.page_size:
@@ -452,6 +482,12 @@ class Scheduler:
         s.num_queue_reqs = len(self.waiting_queue)
         s.num_used_tokens = self.max_total_num_tokens - self.allocator.available_size()
         s.token_usage = s.num_used_tokens / self.max_total_num_tokens
+        if self.server_args.enable_hierarchical_cache:
+            tc = self.tree_cache
+            s.hicache_host_used_tokens = tc.host_used_size()
+            s.hicache_host_total_tokens = tc.host_total_size()
+            s.backed_up_tokens_total = tc.backed_up_tokens_total
+            s.loaded_back_tokens_total = tc.loaded_back_tokens_total
         return s
 
     def _log_prefill(self, reqs: list[Req], extend_lens: list[int]) -> None:

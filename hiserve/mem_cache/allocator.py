@@ -75,8 +75,8 @@ class TokenToKVPoolAllocator:
     its front, so a fresh pool hands out ascending, contiguous pages. Freed pages go
     to a side list and are appended, sorted, only when the front runs short (FIFO
     between batches of frees, ascending within one): freeing is O(1) Python work and
-    allocation is a slice, so neither costs a per-token Python loop. All sizes in this class are in tokens (slots) unless the
-    name says pages.
+    allocation is a slice, so neither costs a per-token Python loop. All sizes in
+    this class are in tokens (slots) unless the name says pages.
 
     Args:
         size: device pool capacity in tokens; `size // page_size` real pages

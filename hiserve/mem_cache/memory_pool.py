@@ -47,7 +47,9 @@ class KVCache:
         device: str | torch.device,
     ) -> None:
         if size <= 0 or page_size <= 0 or layer_num <= 0:
-            raise ValueError(f"size, page_size and layer_num must be > 0, got {size}, {page_size}, {layer_num}")
+            raise ValueError(
+                f"size, page_size and layer_num must be > 0, got {size}, {page_size}, {layer_num}"
+            )
         self.size = size
         self.page_size = page_size
         self.dtype = dtype

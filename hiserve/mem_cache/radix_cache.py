@@ -424,7 +424,10 @@ class RadixCache:
         print(self.format_tree(), flush=True)
 
     def format_tree(self) -> str:
-        lines = [f"root  total={self.total_size()} evictable={self._evictable_size} protected={self._protected_size}"]
+        lines = [
+            f"root  total={self.total_size()} evictable={self._evictable_size} "
+            f"protected={self._protected_size}"
+        ]
         stack = [(child, 1) for child in reversed(list(self.root_node.children.values()))]
         while stack:
             node, depth = stack.pop()

@@ -35,12 +35,20 @@ def _llama_class():
     return LlamaForCausalLM
 
 
+def _deepseek_v2_class():
+    from hiserve.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    return DeepseekV2ForCausalLM
+
+
 # HF architecture name -> zero-arg function returning the model class (lazy imports,
 # so adding a model is one line here and no import cost for the others).
 MODEL_REGISTRY: dict[str, Callable[[], type[nn.Module]]] = {
     "LlamaForCausalLM": _llama_class,
     "MistralForCausalLM": _llama_class,
     "Qwen2ForCausalLM": _llama_class,
+    "DeepseekV2ForCausalLM": _deepseek_v2_class,
+    "DeepseekV3ForCausalLM": _deepseek_v2_class,  # same MLA model; V3 routing from the config
 }
 
 

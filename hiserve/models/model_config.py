@@ -42,6 +42,30 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
     q_lora_rank: int | None = None
+    # DeepSeek rope layout: True = interleaved pairs (x0,x1),(x2,x3)... (V2, and V3's
+    # default `rope_interleave`); False = rotate-half halves.
+    rope_interleave: bool = True
+    # Mixture of experts (DeepSeek V2/V3); n_routed_experts None means every MLP is dense.
+    n_routed_experts: int | None = None
+    n_shared_experts: int = 0
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    first_k_dense_replace: int = 0  # layers [0, k) keep a dense MLP
+    moe_layer_freq: int = 1  # MoE on layers i >= k with i % freq == 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    n_group: int | None = None
+    topk_group: int | None = None
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer `layer_id`'s MLP is a mixture of experts."""
+        return (
+            bool(self.n_routed_experts)
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % max(1, self.moe_layer_freq) == 0
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
@@ -84,6 +108,7 @@ class ModelConfig:
             qk_nope_head_dim=cfg.get("qk_nope_head_dim"),
             v_head_dim=cfg.get("v_head_dim"),
             q_lora_rank=cfg.get("q_lora_rank"),
+            **_moe_fields(cfg, architecture),
         )
 
     @classmethod
@@ -152,6 +177,33 @@ class ModelConfig:
             kv_lora_rank=get("attention.kv_lora_rank"),
             q_lora_rank=get("attention.q_lora_rank"),
         )
+
+
+def _moe_fields(cfg: Mapping[str, Any], architecture: str) -> dict:
+    """DeepSeek rope-layout and mixture-of-experts keys of an HF config (defaults as DeepSeek's)."""
+    is_v3 = architecture.startswith("DeepseekV3")
+    out: dict[str, Any] = {"rope_interleave": bool(cfg.get("rope_interleave", True))}
+    if not cfg.get("n_routed_experts"):
+        return out
+
+    def opt_int(key: str) -> int | None:
+        return None if cfg.get(key) is None else int(cfg[key])
+
+    out.update(
+        n_routed_experts=int(cfg["n_routed_experts"]),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_experts_per_tok=opt_int("num_experts_per_tok"),
+        moe_intermediate_size=opt_int("moe_intermediate_size"),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(cfg.get("moe_layer_freq") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        topk_method=cfg.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"),
+        scoring_func=cfg.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"),
+        n_group=opt_int("n_group"),
+        topk_group=opt_int("topk_group"),
+    )
+    return out
 
 
 def normalize_rope_scaling(scaling: Mapping[str, Any] | None) -> dict | None:

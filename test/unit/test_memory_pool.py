@@ -20,7 +20,8 @@ class RecordingCounter:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_mha_shapes_and_sizes(page_size):
     size, H, D, L = 32, 2, 8, 3
-    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, head_num=H, head_dim=D, layer_num=L, device="cpu")
+    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, head_num=H, head_dim=D, layer_num=L,
+                            device="cpu")
     assert len(pool.k_buffer) == len(pool.v_buffer) == L
     for buf in pool.k_buffer + pool.v_buffer:
         assert buf.shape == (size + page_size, H, D)

@@ -171,7 +171,8 @@ def test_match_splits_mid_node():
     assert cache.insert([1, 2, 3, 7, 8], torch.tensor([50, 51, 52, 53, 54])) == 3
     assert set(upper.children) == {4, 7}
     assert cache.total_size() == 8
-    assert torch.equal(cache.match_prefix([1, 2, 3, 7, 8]).device_indices, torch.cat([slots[:3], torch.tensor([53, 54])]))
+    expected = torch.cat([slots[:3], torch.tensor([53, 54])])
+    assert torch.equal(cache.match_prefix([1, 2, 3, 7, 8]).device_indices, expected)
 
 
 def test_page_alignment_rounds_down():

@@ -19,16 +19,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hiserve.layers.attention import torch_native_mla
 from hiserve.layers.attention.base import AttentionBackend, RadixAttention
 from hiserve.layers.forward_batch import ForwardBatch
 
 
 @dataclass
 class _DecodeMetadata:
-    kv_indices: torch.Tensor  # [B * max_len] int64 slots, padding -> 0
+    kv_indices: torch.Tensor  # [B, max_len] int64 slots, padding -> 0
     valid: torch.Tensor  # [B, 1, 1, max_len] bool
     max_len: int
     bias: dict  # dtype -> additive mask [B, 1, 1, max_len] (0 / -inf), built on first use
+    head_rows: dict  # num_kv_heads -> [B * Hkv * max_len] rows of the pool viewed [slots * Hkv, D]
+
+    def rows_for(self, num_kv_heads: int) -> torch.Tensor:
+        """Gather index that reads the pool straight into [B, Hkv, max_len, D] order."""
+        rows = self.head_rows.get(num_kv_heads)
+        if rows is None:
+            heads = torch.arange(num_kv_heads, device=self.kv_indices.device).view(1, -1, 1)
+            rows = (self.kv_indices.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
+            self.head_rows[num_kv_heads] = rows
+        return rows
 
 
 @dataclass
@@ -57,10 +68,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             valid = torch.arange(max_len, device=device).view(1, -1) < lens  # [B, max_len]
             kv_indices = torch.where(valid, rows.long(), torch.zeros((), dtype=torch.long, device=device))
             self._decode = _DecodeMetadata(
-                kv_indices=kv_indices.reshape(-1),
+                kv_indices=kv_indices,
                 valid=valid.view(len(seq_lens), 1, 1, max_len),
                 max_len=max_len,
                 bias={},
+                head_rows={},
             )
             self._extend = None
             return
@@ -105,14 +117,33 @@ class TorchNativeAttnBackend(AttentionBackend):
             return self._forward_decode(q, k_buf, v_buf, layer)
         return self._forward_extend(q, k_buf, v_buf, layer)
 
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        layer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """MLA (DeepSeek) over the latent pool: expanded EXTEND, absorbed DECODE.
+
+        See `hiserve/layers/attention/mla.py` for the shapes and `torch_native_mla.py` for the math.
+        """
+        return torch_native_mla.forward_mla(
+            self, q_nope, q_rope, latent, k_rope, layer, forward_batch, save_kv_cache
+        )
+
     def _forward_decode(self, q, k_buf, v_buf, layer: RadixAttention) -> torch.Tensor:
         meta = self._decode
         assert meta is not None, "init_forward_metadata was not called for this DECODE batch"
         b, hq, hkv = q.shape[0], layer.num_heads, layer.num_kv_heads
         group = hq // hkv
-        # [B, L, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_buf.index_select(0, meta.kv_indices).view(b, meta.max_len, hkv, -1).transpose(1, 2)
-        values = v_buf.index_select(0, meta.kv_indices).view(b, meta.max_len, hkv, -1).transpose(1, 2)
+        # One gather per buffer, landing contiguous in [B, Hkv, L, D] (no transpose copy).
+        rows = meta.rows_for(hkv)
+        keys = k_buf.reshape(-1, k_buf.shape[-1]).index_select(0, rows).view(b, hkv, meta.max_len, -1)
+        values = v_buf.reshape(-1, v_buf.shape[-1]).index_select(0, rows).view(b, hkv, meta.max_len, -1)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         q4 = q.view(b, hkv, group, layer.head_dim)  # q head h uses kv head h // group

@@ -1,0 +1,349 @@
+"""Build, cache and probe the JIT CUDA modules under `jit_kernel/csrc/`.
+
+Modules are compiled with apache-tvm-ffi (`tvm_ffi.cpp.load_inline`, nvcc + ninja) the
+first time they are needed, one module per compile-time configuration
+(`KvcacheioConfig`: the threads per block and 16-byte vectors in flight per thread of the
+kernels). tvm-ffi caches the shared library on disk (`TVM_FFI_CACHE_DIR`, default
+`~/.cache/tvm-ffi`), keyed by the inline source, which embeds a hash of every file under
+`csrc/`, so an edited header gives a new build. Importing this module compiles nothing.
+
+The `can_use_*()` probes answer whether a path can run here; each logs ONE warning with
+the reason the first time it says no, so callers can fall back to `reference.py` quietly
+after that:
+
+* `can_use_jit_kernels()`: CUDA present, tvm-ffi importable, nvcc and ninja found.
+* `can_use_batched_copy(device)`: the above, and the CUDA runtime and driver are >= 12.8
+  (`cudaMemcpyBatchAsync`), read from the compiled module.
+* `can_use_staged_write_back(item_bytes)`: JIT kernels, and one item (one token of one
+  layer of K, V or the MLA row) is a multiple of 16 bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+BATCHED_COPY_MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync: CUDA 12.8 runtime and driver
+VECTOR_BYTES = 16
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str, *args: object) -> None:
+    """Log `message` as a warning the first time `key` is seen in this process."""
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(message, *args)
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def _find_cuda_home() -> str | None:
+    """A CUDA toolkit root holding both bin/nvcc and the runtime library to link."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).parent.parent))
+    candidates.append("/usr/local/cuda")
+    for home in filter(None, candidates):
+        root = Path(home)
+        if (root / "bin" / "nvcc").exists() and any((root / "lib64").glob("libcudart.so*")):
+            return str(root)
+    return None
+
+
+def _ensure_ninja_on_path() -> bool:
+    """tvm-ffi runs `ninja` from PATH; add the ninja that pip installed beside this
+    interpreter (or the `ninja` package's) when PATH lacks one."""
+    if shutil.which("ninja"):
+        return True
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        candidates.append(Path(ninja.BIN_DIR))
+    except Exception:
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def jit_unavailable_reason() -> str | None:
+    """Why the JIT kernels cannot be built or run here, or None when they can."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is not a CUDA build"
+    try:
+        _import_tvm_ffi()
+    except Exception as exc:  # ImportError, or a broken install
+        return f"apache-tvm-ffi is not importable ({type(exc).__name__}: {exc}); pip install apache-tvm-ffi"
+    if _find_cuda_home() is None:
+        return "no CUDA toolkit with nvcc and libcudart was found (set CUDA_HOME or put nvcc on PATH)"
+    if not _ensure_ninja_on_path():
+        return "ninja was not found on PATH (pip install ninja)"
+    return None
+
+
+def can_use_jit_kernels() -> bool:
+    """True when the CUDA transfer kernels can be compiled and run; else warns once."""
+    reason = jit_unavailable_reason()
+    if reason is not None:
+        warn_once("jit", "hiserve CUDA transfer kernels unavailable (%s); using the torch reference copies", reason)
+        return False
+    return True
+
+
+def _device_index(device: torch.device | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if device is None or torch.device(device).index is None:
+        return torch.cuda.current_device()
+    return torch.device(device).index
+
+
+def batch_copy_info(device: torch.device | int | None = None) -> dict[str, int]:
+    """What the compiled module sees: compiled/runtime/driver CUDA versions, whether
+    `cudaMemcpyBatchAsync` was found and is usable, and whether the device may use host
+    pointers of registered memory directly. Needs the JIT kernels."""
+    index = _device_index(device)
+    values = [int(v) for v in load_kvcacheio_module().batch_copy_info(index)]
+    keys = ("compiled_runtime", "runtime", "driver", "symbol", "usable", "can_use_host_pointer")
+    return dict(zip(keys, values))
+
+
+def can_use_batched_copy(device: torch.device | int | None = None) -> bool:
+    """True when staged pages can leave through one `cudaMemcpyBatchAsync` per chunk
+    (runtime and driver >= 12.8); else warns once (per-page cudaMemcpyAsync is used)."""
+    if not can_use_jit_kernels():
+        return False
+    info = batch_copy_info(device)
+    if not info["usable"]:
+        warn_once(
+            "batched_copy",
+            "cudaMemcpyBatchAsync unusable (compiled for CUDA %d, runtime %d, driver %d, symbol found %d; needs >= %d): "
+            "staged write-back falls back to one cudaMemcpyAsync per page",
+            info["compiled_runtime"], info["runtime"], info["driver"], info["symbol"], BATCHED_COPY_MIN_CUDA_VERSION,
+        )
+        return False
+    return True
+
+
+def can_use_staged_write_back(item_bytes: int) -> bool:
+    """True when the staged write-back kernel can move items of `item_bytes` bytes
+    (a multiple of 16); else warns once per size."""
+    if not can_use_jit_kernels():
+        return False
+    if item_bytes <= 0 or item_bytes % VECTOR_BYTES:
+        warn_once(
+            f"staged_{item_bytes}",
+            "staged write-back needs items that are a multiple of %d bytes, got %d; using the torch reference copies",
+            VECTOR_BYTES, item_bytes,
+        )
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _import_tvm_ffi():
+    # tvm-ffi's optional torch addon is compiled on first import when torch lacks the
+    # DLPack C exchange API; the kernels do not need it (they only convert a few tensors).
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+    import tvm_ffi.cpp  # noqa: F401
+
+    return tvm_ffi
+
+
+@dataclasses.dataclass(frozen=True)
+class KvcacheioConfig:
+    """Compile-time configuration of the kvcacheio module (each value is a -D macro).
+
+    relayout_threads, relayout_unroll: block size and 16-byte loads in flight per thread of
+        the relayout kernel (device -> device, not block-limited).
+    transfer_threads, transfer_unroll: the same for the SM transfer kernels, whose grid is
+        capped at a block quota given per call.
+    """
+
+    relayout_threads: int = 256
+    relayout_unroll: int = 4
+    transfer_threads: int = 1024
+    transfer_unroll: int = 4
+
+    def macros(self) -> list[str]:
+        return [
+            f"-DHISERVE_RELAYOUT_THREADS={self.relayout_threads}",
+            f"-DHISERVE_RELAYOUT_UNROLL={self.relayout_unroll}",
+            f"-DHISERVE_TRANSFER_THREADS={self.transfer_threads}",
+            f"-DHISERVE_TRANSFER_UNROLL={self.transfer_unroll}",
+        ]
+
+
+KVCACHEIO_FUNCTIONS = {
+    "staged_write_back_chunk": "relayout one chunk of pages into staging, then copy the staged pages to host",
+    "transfer_one_layer_h2d": "per-layer load-back from any host layout into the layer_first device pool",
+    "transfer_all_layer_d2h": "all-layer SM write-back from the layer_first device pool into any host layout",
+    "batch_copy_info": "compiled/runtime/driver CUDA versions and cudaMemcpyBatchAsync usability",
+}
+
+
+def csrc_digest() -> str:
+    """Hash of every source file under csrc/ (part of the module name and cache key)."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC_DIR.rglob("*")):
+        if path.is_file():
+            digest.update(str(path.relative_to(CSRC_DIR)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _cuda_arch_flags() -> list[str]:
+    """`-gencode` for the current device (e.g. sm_90 on H100/H200), unless TVM_FFI_CUDA_ARCH_LIST is set."""
+    if "TVM_FFI_CUDA_ARCH_LIST" in os.environ or not torch.cuda.is_available():
+        return []
+    major, minor = torch.cuda.get_device_capability()
+    os.environ["TVM_FFI_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    return []
+
+
+_build_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def load_kvcacheio_module(config: KvcacheioConfig = KvcacheioConfig()):
+    """Compile (first call) and load the kvcacheio module for `config`; cached per config.
+
+    Raises:
+        RuntimeError: the JIT toolchain is missing (see `jit_unavailable_reason`) or nvcc failed.
+    """
+    reason = jit_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"cannot build the kvcacheio kernels: {reason}")
+    tvm_ffi = _import_tvm_ffi()
+    _cuda_arch_flags()
+    os.environ.setdefault("CUDA_HOME", _find_cuda_home())
+    digest = csrc_digest()
+    name = (
+        f"hiserve_kvcacheio_{digest}_r{config.relayout_threads}x{config.relayout_unroll}"
+        f"_t{config.transfer_threads}x{config.transfer_unroll}"
+    )
+    source = f'// csrc digest {digest}\n#include "kvcacheio/bindings.cuh"\n'
+    with _build_lock:
+        module = tvm_ffi.cpp.load_inline(
+            name=name,
+            cuda_sources=source,
+            functions=KVCACHEIO_FUNCTIONS,
+            extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *config.macros()],
+            extra_ldflags=["-ldl"],
+            extra_include_paths=[str(CSRC_DIR)],
+            backend="cuda",
+        )
+    logger.info("loaded JIT module %s (%s)", name, config)
+    return module
+
+
+# ----------------------------------------------------------------------------- call helpers
+
+
+def item_bytes_of(layer: torch.Tensor) -> int:
+    """Bytes of one row (one token of one layer) of a device layer `[slots, *item]`."""
+    return math.prod(layer.shape[1:]) * layer.element_size()
+
+
+_TABLE_CACHE_SIZE = 16
+_table_cache: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
+_table_lock = threading.Lock()
+
+
+def layer_pointer_table(kinds: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """uint64 `[num_kinds * L]` device tensor of layer base addresses, kind-major (K layers
+    then V layers), cached by the addresses, shape and dtype.
+
+    Every layer is validated the first time a set of layers is seen: each is a contiguous
+    CUDA tensor `[slots, *item]`, all of one device, dtype, item shape and layer count.
+
+    Raises:
+        ValueError: naming the offending layer.
+    """
+    first = kinds[0][0] if kinds and len(kinds[0]) else None
+    if first is None:
+        raise ValueError("no device layers given")
+    key = (tuple(t.data_ptr() for layers in kinds for t in layers), tuple(first.shape), first.dtype, len(kinds))
+    with _table_lock:
+        table = _table_cache.get(key)
+        if table is not None:
+            _table_cache.move_to_end(key)
+            return table
+    num_layers = len(kinds[0])
+    for kind_id, layers in enumerate(kinds):
+        if len(layers) != num_layers:
+            raise ValueError(f"kind {kind_id} has {len(layers)} layers, kind 0 has {num_layers}")
+        for layer_id, t in enumerate(layers):
+            if (
+                t.device.type != "cuda"
+                or t.device != first.device
+                or t.dtype != first.dtype
+                or tuple(t.shape[1:]) != tuple(first.shape[1:])
+                or not t.is_contiguous()
+            ):
+                raise ValueError(
+                    f"device layer {layer_id} of kind {kind_id} is {tuple(t.shape)} {t.dtype} on {t.device} "
+                    f"(contiguous={t.is_contiguous()}); expected contiguous [slots, *{tuple(first.shape[1:])}] "
+                    f"{first.dtype} on a CUDA device {first.device}"
+                )
+    table = torch.tensor(list(key[0]), dtype=torch.uint64, device=first.device)
+    with _table_lock:
+        _table_cache[key] = table
+        while len(_table_cache) > _TABLE_CACHE_SIZE:
+            _table_cache.popitem(last=False)
+    return table
+
+
+_index_cache: dict[str, tuple] = {}
+
+
+def host_indices_to_device(host_indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy CPU host indices to `device` for an SM kernel without blocking the host: through a
+    pinned bounce buffer, `non_blocking`, on the current stream. The last result is reused
+    while the same tensor (same version) is asked for again on the same stream, so a
+    layer-by-layer load-back copies its indices once."""
+    stream = torch.cuda.current_stream(device)
+    cached = _index_cache.get("last")
+    if cached is not None:
+        ref, version, stream_id, on_device = cached
+        if ref() is host_indices and version == host_indices._version and stream_id == stream.cuda_stream:
+            return on_device
+    pinned = torch.empty(host_indices.shape, dtype=host_indices.dtype, pin_memory=True)
+    pinned.copy_(host_indices)
+    on_device = pinned.to(device, non_blocking=True)
+    try:
+        _index_cache["last"] = (weakref.ref(host_indices), host_indices._version, stream.cuda_stream, on_device)
+    except TypeError:
+        pass
+    return on_device
