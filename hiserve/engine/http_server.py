@@ -112,6 +112,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         if any(e["type"] == "json_invalid" for e in errors):
             detail = errors[0].get("ctx", {}).get("error", "")
             return error_response(BadRequestError(f"The request body is not valid JSON: {detail}"))
+        if errors[0]["loc"] == ("body",) and "json" not in request.headers.get("content-type", ""):
+            return error_response(BadRequestError(
+                "The request body must be a JSON object sent with 'Content-Type: application/json'."))
         # The deepest location names the parameter best (inside unions and nested objects).
         primary = max(errors, key=lambda e: len(e["loc"]))
         param = param_from_loc(primary["loc"])

@@ -54,7 +54,11 @@ class ModelRunner:
 
         self.model, self.model_config = load_model(server_args.model_path, self.dtype, self.device)
         self.model.eval()
-        self.context_len = server_args.context_length or self.model_config.max_position_embeddings
+        model_max = self.model_config.max_position_embeddings
+        if server_args.context_length is not None and server_args.context_length > model_max:
+            raise ValueError(f"--context-length {server_args.context_length} exceeds the model's "
+                             f"max_position_embeddings {model_max}")
+        self.context_len = server_args.context_length or model_max
         self.vocab_size = self.model_config.vocab_size
         self.host_pool = None  # the hierarchical cache's host pool (L2), when enabled
         self.init_memory_pool(reserved_bytes=self._hicache_staging_bytes())

@@ -172,8 +172,8 @@ class GenerateReqInput(_Strict):
             raise BadRequestError("input_embeds is not supported by this server.", param="input_embeds")
         if self.image_data:
             raise BadRequestError("image_data is not supported by this server.", param="image_data")
-        wants_logprob = self.return_logprob
-        if any(wants_logprob) if isinstance(wants_logprob, list) else wants_logprob:
+        logprob = self.return_logprob if isinstance(self.return_logprob, list) else [self.return_logprob]
+        if any(logprob):
             raise BadRequestError("return_logprob is not supported by this server.", param="return_logprob")
         paths = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path]
         if any(paths):

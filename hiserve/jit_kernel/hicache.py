@@ -48,9 +48,13 @@ LAYOUT_CODES = {"layer_first": 0, "page_first": 1, "page_first_direct": 2}
 # driver and stream allow it, else one cudaMemcpyAsync per copy. Chosen by measurement
 # (benchmark/hicache/bench_hicache_write_back.py, H200, CUDA 13.0): see COPY_MODE_NOTE.
 COPY_MODES = {"auto": 0, "per_page": 1, "batch": 2}
-COPY_MODE_NOTE = "auto = batched whenever usable; per-page copies never measured faster at any page size"
+COPY_MODE_NOTE = (
+    "auto = one cudaMemcpyBatchAsync per chunk whenever usable: on the H200 run, per-page cudaMemcpyAsync was never "
+    "faster beyond noise at any page size (64 KiB .. 4.4 MiB per page) and cost ~6-11 us of host time per copy "
+    "against ~1 us per batched descriptor"
+)
 # SM kernels: blocks per launch, so a transfer beside the forward pass takes few SMs.
-DEFAULT_BLOCK_QUOTA = 4
+DEFAULT_BLOCK_QUOTA = 8  # H200: 2 blocks reach ~0.5 of the H2D limit, 8 ~0.9, more adds nothing
 
 
 # ----------------------------------------------------------------------------- checks
@@ -65,87 +69,41 @@ def _check_host_indices(host_indices: torch.Tensor) -> None:
         )
 
 
-def _check_indices(device_indices, host_indices, device: torch.device, host_device: torch.device | None,
-                   page_size: int) -> int:
-    """Both index tensors 1-D int32/int64 of equal length, a whole number of pages, on their
-    devices (`host_device` None: CPU or `device`). Returns the number of tokens."""
-    if page_size <= 0:
-        raise ValueError(f"page_size must be > 0, got {page_size}")
-    reference.check_index_tensor(device_indices, "device_indices", device)
-    if host_device is None:
-        host_device = host_indices.device if host_indices.device in (device, torch.device("cpu")) else device
-    reference.check_index_tensor(host_indices, "host_indices", host_device)
-    n = device_indices.numel()
-    if host_indices.numel() != n:
-        raise ValueError(f"device_indices ({n}) and host_indices ({host_indices.numel()}) must have the same length")
-    if n % page_size:
-        raise ValueError(f"{n} slots is not a multiple of page_size={page_size}")
-    if not host_indices.is_contiguous() or not device_indices.is_contiguous():
-        raise ValueError("device_indices and host_indices must be contiguous")
-    return n
-
-
-def _check_host_buffer(host: torch.Tensor, name: str, layout: str, layer_num: int, page_size: int,
-                       item: tuple, dtype: torch.dtype) -> int:
-    """A pinned, contiguous CPU buffer of one kind in `layout`; returns its host slots S."""
-    if not isinstance(host, torch.Tensor) or host.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got {getattr(host, 'device', type(host))}")
-    if host.dtype != dtype:
-        raise ValueError(f"{name} dtype {host.dtype} != device dtype {dtype} (copies are exact)")
-    slots = reference.host_kind_slots(layout, host, page_size)
-    expected = reference.host_kind_shape(layout, slots, layer_num, page_size, item)
-    if tuple(host.shape) != expected:
-        raise ValueError(f"{name} shape {tuple(host.shape)} does not fit {layout!r} with L={layer_num}, "
-                         f"P={page_size}, item={item}; expected {expected}")
-    if not host.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {host.stride()}")
-    if not host.is_pinned():
-        raise ValueError(f"{name} must be pinned or cudaHostRegister-ed host memory (the device reads/writes it)")
-    return slots
-
-
-def _check_item_bytes(item_bytes: int) -> None:
-    if item_bytes % utils.VECTOR_BYTES:
-        raise ValueError(f"item of {item_bytes} bytes is not a multiple of {utils.VECTOR_BYTES} (16-byte vectors)")
-
-
-def _check_host_bounds(host_indices: torch.Tensor, slots: int) -> None:
-    """CPU host indices inside [0, slots) (cheap on the CPU; skipped for device tensors)."""
-    if host_indices.device.type == "cpu" and host_indices.numel():
-        low, high = int(host_indices.min()), int(host_indices.max())
-        if low < 0 or high >= slots:
-            raise ValueError(f"host_indices span [{low}, {high}], outside the {slots} host slots")
-
-
 # ----------------------------------------------------------------------------- staged write-back
 
 
 @dataclasses.dataclass
 class StagedWriteBackStats:
-    """What one staged write-back enqueued: chunks, copies (after merging host runs), and
-    how many chunks went out as one cudaMemcpyBatchAsync (the rest as per-copy cudaMemcpyAsync)."""
+    """What one staged write-back enqueued: chunks and pages per chunk, copies (after merging
+    consecutive host pages), and how many chunks went out as one cudaMemcpyBatchAsync (the
+    rest as one cudaMemcpyAsync per copy)."""
 
     chunks: int = 0
+    pages_per_chunk: int = 0
     copies: int = 0
     batched_chunks: int = 0
 
 
-def _staged(kinds, host_bufs, stagings, device_indices, host_indices, page_size, copy_mode, merge_runs):
+# Pages per relayout launch (the page order travels in the kernel's parameters).
+MAX_PAGES_PER_CHUNK = 256
+_EMPTY_ORDER = torch.empty(0, dtype=torch.int64)
+
+
+def _staged(kinds, host_bufs, stagings, device_indices, host_indices, page_size, copy_mode, merge_runs,
+            sort_pages=True, pipeline=True):
     if copy_mode not in COPY_MODES:
         raise ValueError(f"unknown copy_mode {copy_mode!r}; expected one of {tuple(COPY_MODES)}")
     table = utils.layer_pointer_table(kinds)
     first = kinds[0][0]
     device, layer_num, item = first.device, len(kinds[0]), tuple(first.shape[1:])
     item_bytes = utils.item_bytes_of(first)
-    _check_item_bytes(item_bytes)
+    utils.check_item_bytes(item_bytes)
     _check_host_indices(host_indices)
-    tokens = _check_indices(device_indices, host_indices, device, torch.device("cpu"), page_size)
-    slots = [_check_host_buffer(h, f"host buffer {i}", "page_first", layer_num, page_size, item, first.dtype)
+    tokens = utils.check_indices(device_indices, host_indices, device, torch.device("cpu"), page_size)
+    slots = [utils.check_host_buffer(h, f"host buffer {i}", "page_first", layer_num, page_size, item, first.dtype)
              for i, h in enumerate(host_bufs)]
     if len(set(slots)) != 1:
         raise ValueError(f"host buffers differ in slots: {slots}")
-    reference.check_page_runs(host_indices, page_size, "host_indices")
-    _check_host_bounds(host_indices, slots[0])
     page_bytes = page_size * layer_num * item_bytes
     capacity = None
     for i, st in enumerate(stagings):
@@ -158,19 +116,42 @@ def _staged(kinds, host_bufs, stagings, device_indices, host_indices, page_size,
         pages = st.numel() * st.element_size() // page_bytes
         capacity = pages if capacity is None else min(capacity, pages)
     num_pages = tokens // page_size
-    stats = StagedWriteBackStats()
+    # Pipelined (operations longer than the staging buffer): two halves of it, the relayout of
+    # one overlapping the copies of the other. Shorter ones go as one chunk on one stream.
+    pipeline = pipeline and capacity >= 2 and num_pages > capacity
+    per_chunk = min(capacity // 2 if pipeline else capacity, MAX_PAGES_PER_CHUNK)
+    stats = StagedWriteBackStats(pages_per_chunk=per_chunk)
     if num_pages == 0:
         return stats
     module = utils.load_kvcacheio_module()
-    stream = torch.cuda.current_stream(device).cuda_stream
+    # Check the host pages (aligned runs inside the buffer) and order them by host page, so
+    # consecutive host pages are staged consecutively and leave as one copy (C++, O(n log n)).
+    order = utils.order_buffer(num_pages)
+    plan = module.plan_host_pages(host_indices, page_size, slots[0], order)
+    if plan < 0:
+        bad = -1 - plan
+        run = host_indices[bad * page_size:(bad + 1) * page_size].tolist()
+        raise ValueError(f"host_indices must be page-aligned runs of {page_size} consecutive slots inside the "
+                         f"{slots[0]} host slots; page {bad} is {run}")
+    if plan == 0 or not sort_pages:
+        order = _EMPTY_ORDER
+    stream = torch.cuda.current_stream(device)
+    relayout = stream
+    if pipeline:
+        relayout = utils.side_stream(device)
+        device_indices.record_stream(relayout)  # read there: keep it from the allocator until then
+        for st in stagings:
+            st.record_stream(relayout)
     mode = COPY_MODES[copy_mode]
     s0, s1 = stagings[0], stagings[-1]
     h0, h1 = host_bufs[0], host_bufs[-1]
-    for begin in range(0, num_pages, capacity):
-        count = min(capacity, num_pages - begin)
+    half_bytes = per_chunk * page_bytes
+    for index, begin in enumerate(range(0, num_pages, per_chunk)):
+        count = min(per_chunk, num_pages - begin)
         result = module.staged_write_back_chunk(
-            table, s0, s1, h0, h1, device_indices, host_indices, begin, count, page_size, layer_num, item_bytes,
-            len(kinds), slots[0], stream, mode, merge_runs)
+            table, s0, s1, (index & 1) * half_bytes if pipeline else 0, h0, h1, device_indices, host_indices, order,
+            begin, count, page_size, layer_num, item_bytes, len(kinds), slots[0], stream.cuda_stream,
+            relayout.cuda_stream, index, mode, merge_runs)
         stats.chunks += 1
         stats.copies += result >> 2
         stats.batched_chunks += int((result & 3) == 1)
@@ -197,15 +178,21 @@ def transfer_hicache_all_layer_staged_lf_pf(
     page_size: int,
     copy_mode: str = "auto",
     merge_runs: bool = True,
+    sort_pages: bool = True,
+    pipeline: bool = True,
 ) -> StagedWriteBackStats:
     """MHA staged write-back of every layer: device `layer_first` -> host `page_first`.
 
-    For each chunk of at most `capacity` pages (the staging buffers' size in pages): the
+    The operation's pages are put in host-page order, then moved in chunks. Per chunk the
     relayout kernel gathers the chunk's tokens of every layer into the staging buffers,
-    ordered `[page][token][layer][H][Dh]`; then each staged page is copied to its host page
-    by the copy engine (consecutive host pages merged into one copy), as one
-    `cudaMemcpyBatchAsync` per chunk or one `cudaMemcpyAsync` per copy. All on the current
-    stream; the host is never blocked. Byte-identical to
+    ordered `[page][token][layer][H][Dh]`, and the copy engine moves each staged page to its
+    host page (consecutive host pages merged into one copy), as one `cudaMemcpyBatchAsync`
+    per chunk or one `cudaMemcpyAsync` per copy. Pipelined (default): chunks of half the
+    staging capacity alternate between its two halves, the relayout running on a second
+    stream so it overlaps the previous chunk's copies; otherwise chunks of the whole capacity
+    on the current stream alone. The copies are on the current stream, which is ordered after
+    every relayout, so work queued after this call on the current stream sees the host pages
+    written. The host never waits for the device. Byte-identical to
     `reference.write_back_all_layer_ref(..., "page_first", ...)`.
 
     Args:
@@ -213,19 +200,23 @@ def transfer_hicache_all_layer_staged_lf_pf(
         host_k, host_v: page_first host buffers `[S, L, H, Dh]` (pinned or registered), e.g.
             the host pool's `kv_buffer[0]` / `kv_buffer[1]`.
         staging_k, staging_v: device buffers of `capacity * P * L * H * Dh` elements each (the host
-            pool's `[capacity, P, L, H, Dh]` staging buffers); None: a temporary of min(pages, 64)
-            pages per call.
+            pool's `[capacity, P, L, H, Dh]` staging buffers, capacity in pages); None: a temporary
+            of min(pages, 64) pages per call.
         device_indices: int32/int64 `[n]` device slots on the device (any slots; read per token).
-        host_indices: int32/int64 `[n]` host slots on the CPU, page-aligned runs of P slots.
+        host_indices: int32/int64 `[n]` host slots on the CPU, page-aligned runs of P slots inside
+            the host buffers (checked on the CPU).
         page_size: P, tokens per page; n must be a multiple of it.
         copy_mode: "auto" (batched where usable, else per copy), "batch" (batched or error),
             "per_page" (one cudaMemcpyAsync per copy).
         merge_runs: merge consecutive host pages into one copy.
+        sort_pages: stage pages in host-page order (more merging); False keeps the given order.
+        pipeline: overlap relayout and copies through two staging halves and a second stream.
     Returns:
         StagedWriteBackStats of what was enqueued.
     Raises:
-        ValueError: shapes, dtypes, devices, index placement or values that do not fit.
-        RuntimeError: the kernels cannot be built, or a CUDA call failed.
+        ValueError: shapes, dtypes, devices or index placement that do not fit.
+        RuntimeError: host pages that are not page-aligned runs inside the buffer, kernels that
+            cannot be built, or a failed CUDA call.
     """
     first = k_layers[0]
     if staging_k is None or staging_v is None:
@@ -233,7 +224,7 @@ def transfer_hicache_all_layer_staged_lf_pf(
         staging_k = _default_staging(first.device, pages, page_size, len(k_layers), first.shape[1:], first.dtype)
         staging_v = torch.empty_like(staging_k)
     return _staged([k_layers, v_layers], [host_k, host_v], [staging_k, staging_v], device_indices, host_indices,
-                   page_size, copy_mode, merge_runs)
+                   page_size, copy_mode, merge_runs, sort_pages, pipeline)
 
 
 def transfer_hicache_all_layer_mla_staged_lf_pf(
@@ -246,6 +237,8 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     page_size: int,
     copy_mode: str = "auto",
     merge_runs: bool = True,
+    sort_pages: bool = True,
+    pipeline: bool = True,
 ) -> StagedWriteBackStats:
     """MLA staged write-back of every layer: device `[device_slots, 1, Dm]` layers -> host
     page_first `[S, L, 1, Dm]`; staging holds `capacity * P * L * Dm` elements
@@ -255,7 +248,8 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     if staging is None:
         pages = device_indices.numel() // max(page_size, 1)
         staging = _default_staging(first.device, pages, page_size, len(kv_layers), first.shape[1:], first.dtype)
-    return _staged([kv_layers], [host_kv], [staging], device_indices, host_indices, page_size, copy_mode, merge_runs)
+    return _staged([kv_layers], [host_kv], [staging], device_indices, host_indices, page_size, copy_mode, merge_runs,
+                   sort_pages, pipeline)
 
 
 # ----------------------------------------------------------------------------- SM-kernel transfers
@@ -311,14 +305,14 @@ def transfer_hicache_one_layer(
     if block_quota < 1:
         raise ValueError(f"block_quota must be >= 1, got {block_quota}")
     item, item_bytes = tuple(first.shape[1:]), utils.item_bytes_of(first)
-    _check_item_bytes(item_bytes)
+    utils.check_item_bytes(item_bytes)
     layer_num = hosts[0].shape[0] if layout == "layer_first" else hosts[0].shape[1] if hosts[0].dim() > 1 else 0
     if not 0 <= layer_id < layer_num:
         raise ValueError(f"layer_id={layer_id} out of range for {layer_num} host layers")
-    slots = [_check_host_buffer(h, f"host buffer {i}", layout, layer_num, page_size, item, first.dtype)
+    slots = [utils.check_host_buffer(h, f"host buffer {i}", layout, layer_num, page_size, item, first.dtype)
              for i, h in enumerate(hosts)]
-    _check_indices(device_indices, host_indices, first.device, None, page_size)
-    _check_host_bounds(host_indices, slots[0])
+    utils.check_indices(device_indices, host_indices, first.device, None, page_size)
+    utils.check_host_bounds(host_indices, slots[0])
     if device_indices.numel() == 0:
         return
     host_on_device = _device_host_indices(host_indices, first.device)
@@ -359,11 +353,11 @@ def transfer_hicache_all_layer(
     table = utils.layer_pointer_table(kinds)
     first = kinds[0][0]
     layer_num, item, item_bytes = len(kinds[0]), tuple(first.shape[1:]), utils.item_bytes_of(first)
-    _check_item_bytes(item_bytes)
-    slots = [_check_host_buffer(h, f"host buffer {i}", layout, layer_num, page_size, item, first.dtype)
+    utils.check_item_bytes(item_bytes)
+    slots = [utils.check_host_buffer(h, f"host buffer {i}", layout, layer_num, page_size, item, first.dtype)
              for i, h in enumerate(hosts)]
-    _check_indices(device_indices, host_indices, first.device, None, page_size)
-    _check_host_bounds(host_indices, slots[0])
+    utils.check_indices(device_indices, host_indices, first.device, None, page_size)
+    utils.check_host_bounds(host_indices, slots[0])
     if device_indices.numel() == 0:
         return
     host_on_device = _device_host_indices(host_indices, first.device)

@@ -36,6 +36,8 @@ from typing import Sequence
 
 import torch
 
+from hiserve.jit_kernel import reference
+
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -210,6 +212,7 @@ KVCACHEIO_FUNCTIONS = {
     "transfer_one_layer_h2d": "per-layer load-back from any host layout into the layer_first device pool",
     "transfer_all_layer_d2h": "all-layer SM write-back from the layer_first device pool into any host layout",
     "batch_copy_info": "compiled/runtime/driver CUDA versions and cudaMemcpyBatchAsync usability",
+    "plan_host_pages": "check CPU host pages (aligned runs inside the buffer) and order them by host slot",
 }
 
 
@@ -294,7 +297,8 @@ def layer_pointer_table(kinds: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor
     first = kinds[0][0] if kinds and len(kinds[0]) else None
     if first is None:
         raise ValueError("no device layers given")
-    key = (tuple(t.data_ptr() for layers in kinds for t in layers), tuple(first.shape), first.dtype, len(kinds))
+    ptrs = tuple(p for layers in kinds for p in map(torch.Tensor.data_ptr, layers))
+    key = (ptrs, tuple(first.shape), first.dtype, len(kinds))
     with _table_lock:
         table = _table_cache.get(key)
         if table is not None:
@@ -317,7 +321,8 @@ def layer_pointer_table(kinds: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor
                     f"(contiguous={t.is_contiguous()}); expected contiguous [slots, *{tuple(first.shape[1:])}] "
                     f"{first.dtype} on a CUDA device {first.device}"
                 )
-    table = torch.tensor(list(key[0]), dtype=torch.uint64, device=first.device)
+    # Pinned + non_blocking: a plain .to(device) would wait for the work queued on the stream.
+    table = torch.tensor(list(key[0]), dtype=torch.uint64).pin_memory().to(first.device, non_blocking=True)
     with _table_lock:
         _table_cache[key] = table
         while len(_table_cache) > _TABLE_CACHE_SIZE:
@@ -347,3 +352,93 @@ def host_indices_to_device(host_indices: torch.Tensor, device: torch.device) -> 
     except TypeError:
         pass
     return on_device
+
+
+_order_buffers = threading.local()
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def order_buffer(num_pages: int) -> torch.Tensor:
+    """A per-thread CPU int64 scratch of >= num_pages entries (read only during one call)."""
+    buf = getattr(_order_buffers, "buf", None)
+    if buf is None or buf.numel() < num_pages:
+        buf = _order_buffers.buf = torch.empty(max(num_pages, 1024), dtype=torch.int64)
+    return buf
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra stream per device (the staged write-back's relayout stream)."""
+    stream = _side_streams.get(device.index)
+    if stream is None:
+        stream = _side_streams[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+# ----------------------------------------------------------------------------- argument checks (ValueError)
+
+
+def check_indices(device_indices, host_indices, device: torch.device, host_device: torch.device | None,
+                   page_size: int) -> int:
+    """Both index tensors 1-D int32/int64 of equal length, a whole number of pages, on their
+    devices (`host_device` None: CPU or `device`). Returns the number of tokens."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}")
+    reference.check_index_tensor(device_indices, "device_indices", device)
+    if host_device is None:
+        host_device = host_indices.device if host_indices.device in (device, torch.device("cpu")) else device
+    reference.check_index_tensor(host_indices, "host_indices", host_device)
+    n = device_indices.numel()
+    if host_indices.numel() != n:
+        raise ValueError(f"device_indices ({n}) and host_indices ({host_indices.numel()}) must have the same length")
+    if n % page_size:
+        raise ValueError(f"{n} slots is not a multiple of page_size={page_size}")
+    if not host_indices.is_contiguous() or not device_indices.is_contiguous():
+        raise ValueError("device_indices and host_indices must be contiguous")
+    return n
+
+
+def check_host_buffer(host: torch.Tensor, name: str, layout: str, layer_num: int, page_size: int,
+                       item: tuple, dtype: torch.dtype) -> int:
+    """A pinned, contiguous CPU buffer of one kind in `layout`; returns its host slots S."""
+    if not isinstance(host, torch.Tensor) or host.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got {getattr(host, 'device', type(host))}")
+    if host.dtype != dtype:
+        raise ValueError(f"{name} dtype {host.dtype} != device dtype {dtype} (copies are exact)")
+    slots = reference.host_kind_slots(layout, host, page_size)
+    expected = reference.host_kind_shape(layout, slots, layer_num, page_size, item)
+    if tuple(host.shape) != expected:
+        raise ValueError(f"{name} shape {tuple(host.shape)} does not fit {layout!r} with L={layer_num}, "
+                         f"P={page_size}, item={item}; expected {expected}")
+    if not host.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {host.stride()}")
+    check_pinned(host, name)
+    return slots
+
+
+_pinned_ranges: set[tuple[int, int]] = set()
+
+
+def check_pinned(host: torch.Tensor, name: str) -> None:
+    """Pinned or registered: asked of CUDA once per (address, bytes); host pools keep their
+    registration for the life of the process, so a positive answer is remembered."""
+    key = (host.data_ptr(), host.numel() * host.element_size())
+    if key in _pinned_ranges:
+        return
+    if not host.is_pinned():
+        raise ValueError(f"{name} must be pinned or cudaHostRegister-ed host memory (the device reads/writes it)")
+    if len(_pinned_ranges) > 64:
+        _pinned_ranges.clear()
+    _pinned_ranges.add(key)
+
+
+def check_item_bytes(item_bytes: int) -> None:
+    if item_bytes % VECTOR_BYTES:
+        raise ValueError(f"item of {item_bytes} bytes is not a multiple of {VECTOR_BYTES} (16-byte vectors)")
+
+
+def check_host_bounds(host_indices: torch.Tensor, slots: int) -> None:
+    """CPU host indices inside [0, slots) (cheap on the CPU; skipped for device tensors)."""
+    if host_indices.device.type == "cpu" and host_indices.numel():
+        low, high = int(host_indices.min()), int(host_indices.max())
+        if low < 0 or high >= slots:
+            raise ValueError(f"host_indices span [{low}, {high}], outside the {slots} host slots")

@@ -110,7 +110,8 @@ class HiRadixCache(RadixCache):
         self.mem_pool_host = mem_pool_host
         self.write_policy = write_policy
         self.load_back_threshold = load_back_threshold
-        self.cache_controller = HiCacheController(token_to_kv_pool_allocator, mem_pool_host, page_size, io_backend)
+        self.cache_controller = HiCacheController(
+            token_to_kv_pool_allocator, mem_pool_host, page_size, io_backend)
         self.backed_up_tokens_total = 0
         self.loaded_back_tokens_total = 0
         self._counting_hits = False
@@ -241,7 +242,8 @@ class HiRadixCache(RadixCache):
         if self.write_policy == "write_through":
             self._backup_nodes([n for n in path if not n.backuped])
         elif self.write_policy == "write_through_selective":
-            self._backup_nodes([n for n in path if not n.backuped and n.hit_count >= SELECTIVE_WRITE_THRESHOLD])
+            self._backup_nodes(
+                [n for n in path if not n.backuped and n.hit_count >= SELECTIVE_WRITE_THRESHOLD])
         return device_prefix_len
 
     def cache_finished_req(self, req: CacheableReq) -> None:
@@ -363,11 +365,11 @@ class HiRadixCache(RadixCache):
         Backed-up nodes become host-only (device slots freed, host copy kept). A node that
         is not backed up is written first under write_back (or when it has host-only
         children, which must keep a parent); otherwise, or if the host has no room, it is
-        deleted with any host-only subtree. Returns device tokens freed.
+        deleted with any host-only subtree. Nodes whose writes are not acknowledged yet are
+        locked, so acks are processed only by `check_hicache_events`. Returns device tokens freed.
         """
         if num_tokens <= 0:
             return 0
-        self.check_hicache_events()  # finished writes no longer pin their nodes
         heap = [(n.last_access_time, n.id, n) for n in self._device_leaves()]
         heapq.heapify(heap)
         allocator = self.token_to_kv_pool_allocator
@@ -445,7 +447,8 @@ class HiRadixCache(RadixCache):
             freed += len(node.host_value)
             parent = node.parent
             del parent.children[self._child_key(node.key)]
-            if parent is not self.root_node and parent.evicted and not parent.children and parent.host_ref == 0:
+            if (parent is not self.root_node and parent.evicted and not parent.children
+                    and parent.host_ref == 0):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return freed
 
@@ -453,7 +456,8 @@ class HiRadixCache(RadixCache):
 
     def format_tree(self) -> str:
         lines = [f"root  device={self.total_size()} evictable={self._evictable_size} "
-                 f"protected={self._protected_size} host_used={self.host_used_size()}/{self.host_total_size()}"]
+                 f"protected={self._protected_size} "
+                 f"host_used={self.host_used_size()}/{self.host_total_size()}"]
         stack = [(c, 1) for c in reversed(list(self.root_node.children.values()))]
         while stack:
             node, depth = stack.pop()

@@ -101,7 +101,7 @@ def test_batched_copy_is_usable_here():
 
 
 def staged_case(kind, elements, num_pages, order, copy_mode, dev_dtype, host_dtype, *, page_size=PAGE_SIZE,
-                capacity=CAPACITY, merge_runs=True):
+                capacity=CAPACITY, merge_runs=True, sort_pages=True, pipeline=True):
     mla = kind == "MLA"
     item = item_shape(elements, mla)
     names = ["KV"] if mla else ["K", "V"]
@@ -118,19 +118,21 @@ def staged_case(kind, elements, num_pages, order, copy_mode, dev_dtype, host_dty
     # The one-kind reference works for any item shape: the oracle per kind.
     for kind_layers, want in zip(layers, expected):
         reference.write_back_all_layer_mla_ref(kind_layers, want, "page_first", **kw)
+    opts = dict(copy_mode=copy_mode, merge_runs=merge_runs, sort_pages=sort_pages, pipeline=pipeline)
     if mla:
         stats = run_on_side_stream(lambda: hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
-            layers[0], actual[0], stagings[0], copy_mode=copy_mode, merge_runs=merge_runs, **kw))
+            layers[0], actual[0], stagings[0], **opts, **kw))
     else:
         stats = run_on_side_stream(lambda: hicache.transfer_hicache_all_layer_staged_lf_pf(
-            layers[0], layers[1], actual[0], actual[1], stagings[0], stagings[1], copy_mode=copy_mode,
-            merge_runs=merge_runs, **kw))
+            layers[0], layers[1], actual[0], actual[1], stagings[0], stagings[1], **opts, **kw))
     for name, got, want in zip(names, actual, expected):
         assert same_bytes(got, want), name
         # Untouched host pages (0 and n+1) keep their sentinel.
         assert bool((got[:page_size] == SENTINEL[name]).all()), name
         assert bool((got[(num_pages + 1) * page_size:] == SENTINEL[name]).all()), name
-    chunks = math.ceil(num_pages / capacity)
+    per_chunk = capacity // 2 if pipeline and capacity >= 2 and num_pages > capacity else capacity
+    assert stats.pages_per_chunk == per_chunk
+    chunks = math.ceil(num_pages / per_chunk)
     assert stats.chunks == chunks
     if copy_mode == "batch":
         assert stats.batched_chunks == chunks
@@ -157,17 +159,30 @@ def test_staged_mla(num_pages, copy_mode):
     staged_case("MLA", MLA_ELEMENTS, num_pages, order, copy_mode, dtype, dtype)
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("sort_pages", [True, False])
+@pytest.mark.parametrize("num_pages", PAGE_COUNTS)
+def test_staged_unsorted_and_unpipelined(num_pages, sort_pages, pipeline):
+    for copy_mode in ("batch", "per_page"):
+        staged_case("MHA", 512, num_pages, "shuffled", copy_mode, torch.int32, torch.int64, sort_pages=sort_pages,
+                    pipeline=pipeline)
+
+
 @pytest.mark.parametrize("copy_mode", ["batch", "per_page"])
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
-def test_staged_merges_contiguous_host_runs(kind, copy_mode):
+def test_staged_merges_consecutive_host_pages(kind, copy_mode):
     kinds = 1 if kind == "MLA" else 2
     elements = MLA_ELEMENTS if kind == "MLA" else 256
-    stats = staged_case(kind, elements, 129, "contiguous", copy_mode, torch.int64, torch.int64)
-    assert stats.copies == kinds * 3  # one copy per chunk (64 + 64 + 1 pages) and kind
+    # 129 pages in 32-page chunks (pipelined halves of the 64-page staging buffer): 5 chunks.
+    for order in ("contiguous", "reversed", "shuffled"):  # one contiguous run of host pages, in any order
+        stats = staged_case(kind, elements, 129, order, copy_mode, torch.int64, torch.int64)
+        assert stats.chunks == 5 and stats.copies == kinds * 5, order
     stats = staged_case(kind, elements, 129, "contiguous", copy_mode, torch.int32, torch.int64, merge_runs=False)
     assert stats.copies == kinds * 129
-    stats = staged_case(kind, elements, 65, "reversed", copy_mode, torch.int64, torch.int64)
-    assert stats.copies == kinds * 65  # reversed pages never merge
+    stats = staged_case(kind, elements, 65, "reversed", copy_mode, torch.int64, torch.int64, sort_pages=False)
+    assert stats.copies == kinds * 65  # staged in the given (reversed) order, nothing merges
+    stats = staged_case(kind, elements, 65, "contiguous", copy_mode, torch.int64, torch.int64, pipeline=False)
+    assert stats.chunks == 2 and stats.copies == kinds * 2
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 64])
@@ -209,7 +224,7 @@ def test_staged_rejects_bad_arguments():
     with pytest.raises(ValueError, match="pinned"):
         call(layers, layers, host.clone(), host, None, None, device_indices=dev_idx, host_indices=host_idx,
              page_size=PAGE_SIZE)
-    with pytest.raises(ValueError, match="outside the"):
+    with pytest.raises(ValueError, match="inside the 64 host slots; page 0 is"):
         call(layers, layers, host, host, None, None, device_indices=dev_idx,
              host_indices=slots_of([4], PAGE_SIZE, torch.int64), page_size=PAGE_SIZE)
     with pytest.raises(ValueError, match="page-aligned"):

@@ -197,9 +197,9 @@ def hf_last_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor):
+    # Observed on x86 CPU: ~5e-5 on logits of magnitude ~20.
     err = (ours - ref).abs().max().item()
-    scale = max(1.0, ref.abs().max().item())
-    assert err <= 1e-3 * scale, f"max |diff| {err:.3g} (logit scale {scale:.3g})"
+    assert err <= 1e-3, f"max |logit diff| {err:.3g} (logit scale {ref.abs().max().item():.3g})"
     assert ours.argmax().item() == ref.argmax().item()
 
 

@@ -6,6 +6,9 @@
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "relayout.cuh"
 #include "staged_write_back.cuh"
 #include "transfer.cuh"
@@ -37,14 +40,16 @@ inline char* bytes_of(const TensorView& t) { return static_cast<char*>(t.data_pt
 }  // namespace kvcacheio
 }  // namespace hiserve
 
-// One chunk of the staged write-back; see staged_write_back.cuh. Returns path | (copies << 2),
-// path 1 = one cudaMemcpyBatchAsync, 2 = one cudaMemcpyAsync per copy.
+// One chunk of the staged write-back; see staged_write_back.cuh. `order` is a CPU int64
+// tensor whose first entries are the operation's pages in staging order (empty: identity). Returns
+// path | (copies << 2), path 1 = one cudaMemcpyBatchAsync, 2 = one cudaMemcpyAsync per copy.
 int64_t staged_write_back_chunk(tvm::ffi::TensorView layer_ptrs, tvm::ffi::TensorView staging0,
-                                tvm::ffi::TensorView staging1, tvm::ffi::TensorView host0, tvm::ffi::TensorView host1,
-                                tvm::ffi::TensorView device_indices, tvm::ffi::TensorView host_indices,
-                                int64_t page_begin, int64_t num_pages, int64_t page_size, int64_t num_layers,
-                                int64_t item_bytes, int64_t num_kinds, int64_t host_slots, int64_t stream,
-                                int64_t copy_mode, bool merge_runs) {
+                                tvm::ffi::TensorView staging1, int64_t staging_offset, tvm::ffi::TensorView host0,
+                                tvm::ffi::TensorView host1, tvm::ffi::TensorView device_indices,
+                                tvm::ffi::TensorView host_indices, tvm::ffi::TensorView order, int64_t position,
+                                int64_t num_pages, int64_t page_size, int64_t num_layers, int64_t item_bytes,
+                                int64_t num_kinds, int64_t host_slots, int64_t stream, int64_t relayout_stream,
+                                int64_t chunk_index, int64_t copy_mode, bool merge_runs) {
   using namespace hiserve::kvcacheio;
   const int device = device_indices.device().device_id;
   require_device(device_indices, device, "device_indices");
@@ -52,22 +57,36 @@ int64_t staged_write_back_chunk(tvm::ffi::TensorView layer_ptrs, tvm::ffi::Tenso
   require_device(staging0, device, "staging buffer");
   require_device(staging1, device, "staging buffer");
   require_host(host_indices, "host_indices");
+  require_host(order, "page order");
   require_host(host0, "host buffer");
   require_host(host1, "host buffer");
   require(layer_ptrs.numel() == num_kinds * num_layers, "layer pointer table must have num_kinds * num_layers entries");
   require(device_indices.numel() == host_indices.numel(), "device_indices and host_indices differ in length");
-  require((page_begin + num_pages) * page_size <= device_indices.numel(), "chunk runs past the indices");
+  require(page_size > 0 && device_indices.numel() % page_size == 0, "indices are not a whole number of pages");
+  const int64_t op_pages = device_indices.numel() / page_size;
+  const bool has_order = order.numel() > 0;
+  require(!has_order || (order.numel() >= op_pages && order.dtype().code == kDLInt && order.dtype().bits == 64),
+          "page order must be int64 with (at least) one entry per page of the operation");
+  require(position >= 0 && num_pages >= 0 && position + num_pages <= op_pages, "chunk runs past the operation");
+  if (has_order) {
+    const int64_t* pages = static_cast<const int64_t*>(order.data_ptr());
+    for (int64_t j = position; j < position + num_pages; ++j) {
+      require(pages[j] >= 0 && pages[j] < op_pages, "page order names a page outside the operation");
+    }
+  }
   const int64_t chunk_bytes = num_pages * page_size * num_layers * item_bytes;
-  require(staging0.numel() * (staging0.dtype().bits / 8) >= chunk_bytes, "staging buffer smaller than the chunk");
-  require(staging1.numel() * (staging1.dtype().bits / 8) >= chunk_bytes, "staging buffer smaller than the chunk");
+  require(staging_offset >= 0 && staging0.numel() * (staging0.dtype().bits / 8) >= staging_offset + chunk_bytes &&
+              staging1.numel() * (staging1.dtype().bits / 8) >= staging_offset + chunk_bytes,
+          "staging buffer smaller than the chunk");
   require(copy_mode >= kCopyBatchOrFallback && copy_mode <= kCopyBatchStrict, "unknown copy_mode");
   DeviceGuard guard(device);
-  return staged_write_back_chunk_impl(layer_ptrs.data_ptr(), bytes_of(staging0), bytes_of(staging1), bytes_of(host0),
-                                      bytes_of(host1), device_indices.data_ptr(),
-                                      is_int64_index(device_indices, "device_indices"), host_indices.data_ptr(),
-                                      is_int64_index(host_indices, "host_indices"), page_begin, num_pages, page_size,
-                                      num_layers, item_bytes, static_cast<int>(num_kinds), host_slots, device,
-                                      reinterpret_cast<cudaStream_t>(stream), copy_mode, merge_runs);
+  return staged_write_back_chunk_impl(
+      layer_ptrs.data_ptr(), bytes_of(staging0), bytes_of(staging1), staging_offset, bytes_of(host0), bytes_of(host1),
+      device_indices.data_ptr(), is_int64_index(device_indices, "device_indices"), host_indices.data_ptr(),
+      is_int64_index(host_indices, "host_indices"), has_order ? static_cast<const int64_t*>(order.data_ptr()) : nullptr,
+      position, num_pages, page_size, num_layers, item_bytes, static_cast<int>(num_kinds), host_slots, device,
+      reinterpret_cast<cudaStream_t>(stream), reinterpret_cast<cudaStream_t>(relayout_stream), chunk_index, copy_mode,
+      merge_runs);
 }
 
 // Load-back of layer `layer_id`: host buffer(s) in `layout` -> device layer tensors
@@ -161,4 +180,42 @@ tvm::ffi::Array<int64_t> batch_copy_info(int64_t device) {
                                    static_cast<int64_t>(s.driver), static_cast<int64_t>(s.symbol),
                                    static_cast<int64_t>(s.usable()),
                                    static_cast<int64_t>(can_use_host_pointer(static_cast<int>(device)))});
+}
+
+// Checks that every page of `host_indices` (CPU int32/int64, a whole number of pages) is P
+// consecutive slots starting at a multiple of P inside [0, host_slots), and orders the pages by
+// host slot. Returns -1 - p for the first bad page p; 0 when the pages are already in
+// ascending host order (identity: `order` untouched); 1 when `order` (CPU int64, one entry per
+// page) now holds the operation's pages in ascending host order.
+int64_t plan_host_pages(tvm::ffi::TensorView host_indices, int64_t page_size, int64_t host_slots,
+                        tvm::ffi::TensorView order) {
+  using namespace hiserve::kvcacheio;
+  require_host(host_indices, "host_indices");
+  require_host(order, "page order");
+  require(page_size > 0 && host_indices.numel() % page_size == 0, "host_indices are not a whole number of pages");
+  const bool is64 = is_int64_index(host_indices, "host_indices");
+  const void* data = host_indices.data_ptr();
+  const int64_t pages = host_indices.numel() / page_size;
+  require(order.numel() >= pages && order.dtype().code == kDLInt && order.dtype().bits == 64,
+          "page order must be int64 with an entry per page");
+  require(host_slots / page_size < (int64_t{1} << 31) && pages < (int64_t{1} << 32), "too many host pages");
+  // Key = host page << 32 | operation page: one integer sort, no pairs.
+  thread_local std::vector<uint64_t> keys;
+  keys.clear();
+  bool ascending = true;
+  int64_t previous = -1;
+  for (int64_t p = 0; p < pages; ++p) {
+    const int64_t slot = read_index(data, is64, p * page_size);
+    bool run = slot >= 0 && slot % page_size == 0 && slot + page_size <= host_slots;
+    for (int64_t t = 1; run && t < page_size; ++t) run = read_index(data, is64, p * page_size + t) == slot + t;
+    if (!run) return -1 - p;
+    ascending = ascending && slot > previous;
+    previous = slot;
+    keys.push_back((static_cast<uint64_t>(slot / page_size) << 32) | static_cast<uint64_t>(p));
+  }
+  if (ascending) return 0;
+  std::sort(keys.begin(), keys.end());
+  int64_t* out = static_cast<int64_t*>(order.data_ptr());
+  for (int64_t p = 0; p < pages; ++p) out[p] = static_cast<int64_t>(keys[p] & 0xffffffffu);
+  return 1;
 }

@@ -1,17 +1,22 @@
 // Staged write-back, device `layer_first` -> host `page_first`, one chunk per call:
 //   1. relayout (relayout.cuh) gathers the chunk's pages into the device staging buffer;
-//   2. the copy engine moves each staged page to its host page, on the same stream.
+//   2. the copy engine moves each staged page to its host page.
 //
-// Hop 2 builds one descriptor (dst, src, bytes) per staged page and kind; a run of pages
-// whose host pages are consecutive is merged into one descriptor (the staged pages are
-// consecutive by construction), so a contiguous host run leaves as one large copy. The
-// descriptors are submitted either all at once through cudaMemcpyBatchAsync (CUDA >= 12.8
-// runtime and driver, non-legacy stream) or as one cudaMemcpyAsync each.
+// The caller orders the operation's pages by host page, so pages whose host pages are
+// consecutive sit in consecutive staged pages; hop 2 builds one descriptor (dst, src, bytes)
+// per staged page and kind and merges such runs into one descriptor, so a contiguous host run
+// (in any order) leaves as one large copy. The descriptors are submitted either all at once
+// through cudaMemcpyBatchAsync (CUDA >= 12.8 runtime and driver, non-legacy stream) or as one
+// cudaMemcpyAsync each.
+//
+// Plain chunks run both hops on one stream: the staging buffer of chunk i+1 is overwritten
+// only after chunk i's copies have read it (stream order; the batched copies use
+// cudaMemcpySrcAccessOrderStream). Pipelined chunks alternate between two halves of the
+// staging buffer and run the relayout on a second stream, chained by events, so the relayout
+// of chunk i+1 overlaps the copies of chunk i and the copy engine never waits for it.
 //
 // Host destination indices are read here on the CPU (they must be a CPU tensor): nothing in
-// this file waits for the device. The staging buffer of chunk i+1 is overwritten only after
-// chunk i's copies have read it, because every step is in stream order (the batched copies
-// use cudaMemcpySrcAccessOrderStream).
+// this file waits for the device.
 #pragma once
 
 #include <dlfcn.h>
@@ -154,36 +159,92 @@ inline void copy_one_by_one(const CopyList& copies, cudaStream_t stream) {
   }
 }
 
-// Reads the first host slot of page `page` from a CPU int32/int64 index tensor.
-inline int64_t host_page_start(const void* data, bool is_int64, int64_t page, int64_t page_size) {
-  const int64_t at = page * page_size;
+// Events that chain a pipelined write-back: relayout of chunk i (relayout stream) into staging
+// half i % 2 waits for the copies of chunk i - 2 (copy stream) that read that half; the copies of
+// chunk i wait for its relayout. One set per device and calling thread.
+struct PipelineEvents {
+  cudaEvent_t start = nullptr;
+  cudaEvent_t relayout_done[2] = {nullptr, nullptr};
+  cudaEvent_t copy_done[2] = {nullptr, nullptr};
+};
+
+inline PipelineEvents& pipeline_events(int device) {
+  thread_local std::vector<PipelineEvents> per_device;
+  if (static_cast<int>(per_device.size()) <= device) per_device.resize(device + 1);
+  PipelineEvents& e = per_device[device];
+  if (e.start == nullptr) {
+    cudaEvent_t* all[] = {&e.start, &e.relayout_done[0], &e.relayout_done[1], &e.copy_done[0], &e.copy_done[1]};
+    for (cudaEvent_t* ev : all) check_cuda(cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  return e;
+}
+
+inline int64_t read_index(const void* data, bool is_int64, int64_t at) {
   return is_int64 ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
 }
 
 // One chunk of the staged write-back (see the file comment).
 //   layer_ptrs: uint64 [num_kinds * L] on the device (K layers then V layers, or the MLA layers)
-//   staging0/1: device buffers of at least num_pages * P * L * item_bytes bytes (MLA: staging1 unused)
-//   host0/1:    page_first host buffers [S, L, ...] of the kinds (pinned / registered)
+//   staging0/1 + staging_offset: where this chunk's staged pages go (MLA: staging1 unused)
+//   host0/1:    page_first host buffers [host_slots, L, ...] of the kinds (pinned / registered)
 //   device_indices: device int32/int64, all slots of the operation; host_indices: CPU int32/int64, same length
-//   page_begin, num_pages: the chunk, in pages of the operation; host_slots: S of the host buffers
-// Returns path | (descriptors << 2).
-inline int64_t staged_write_back_chunk_impl(const void* layer_ptrs, char* staging0, char* staging1, char* host0,
-                                            char* host1, const void* device_indices, bool device_int64,
-                                            const void* host_indices, bool host_int64, int64_t page_begin,
+//   order:      CPU int64 [operation pages], the operation's pages in staging order, or nullptr (identity)
+//   position, num_pages: this chunk is order[position .. position + num_pages)
+//   relayout_stream: == stream for a plain chunk; another stream to pipeline (chunk_index counts the chunks of
+//                    the operation, staging halves alternate by the caller's staging_offset)
+// Host page runs are checked here (every page P consecutive slots from a multiple of P, inside the
+// buffer) before anything is enqueued. Returns path | (copies << 2).
+inline int64_t staged_write_back_chunk_impl(const void* layer_ptrs, char* staging0, char* staging1,
+                                            int64_t staging_offset, char* host0, char* host1,
+                                            const void* device_indices, bool device_int64, const void* host_indices,
+                                            bool host_int64, const int64_t* order, int64_t position,
                                             int64_t num_pages, int64_t page_size, int64_t num_layers,
                                             int64_t item_bytes, int num_kinds, int64_t host_slots, int device,
-                                            cudaStream_t stream,
+                                            cudaStream_t stream, cudaStream_t relayout_stream, int64_t chunk_index,
                                             int64_t copy_mode, bool merge_runs) {
   if (num_pages <= 0) return kPathNone;
-  const int64_t tokens = num_pages * page_size;
-  const int64_t first_token = page_begin * page_size;
+  require(num_pages <= kMaxRelayoutPages, "staged write-back: at most 256 pages per chunk");
+  int32_t page_map[kMaxRelayoutPages];
+  int64_t host_start[kMaxRelayoutPages];
+  for (int64_t j = 0; j < num_pages; ++j) {
+    const int64_t op_page = order != nullptr ? order[position + j] : position + j;
+    require(op_page >= 0 && op_page < (int64_t{1} << 31), "staged write-back: page order out of range");
+    const int64_t first = op_page * page_size;
+    const int64_t slot = read_index(host_indices, host_int64, first);
+    bool run = slot >= 0 && slot % page_size == 0 && slot + page_size <= host_slots;
+    for (int64_t t = 1; run && t < page_size; ++t) run = read_index(host_indices, host_int64, first + t) == slot + t;
+    require(run, "staged write-back: host_indices of operation page " + std::to_string(op_page) +
+                     " are not P consecutive slots from a multiple of P inside the host buffer");
+    page_map[j] = static_cast<int32_t>(op_page);
+    host_start[j] = slot;
+  }
+
+  char* staged0 = staging0 + staging_offset;
+  char* staged1 = staging1 + staging_offset;
+  const bool pipelined = relayout_stream != stream;
+  const int half = static_cast<int>(chunk_index & 1);
+  PipelineEvents* events = pipelined ? &pipeline_events(device) : nullptr;
+  if (pipelined) {
+    if (chunk_index == 0) {
+      // Everything already queued on the copy stream (the producing forward, earlier write-backs
+      // reading either staging half) comes before this operation's relayouts.
+      check_cuda(cudaEventRecord(events->start, stream), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(relayout_stream, events->start, 0), "cudaStreamWaitEvent");
+    } else if (chunk_index >= 2) {
+      check_cuda(cudaStreamWaitEvent(relayout_stream, events->copy_done[half], 0), "cudaStreamWaitEvent");
+    }
+  }
   const uint64_t* table = static_cast<const uint64_t*>(layer_ptrs);
   if (device_int64) {
-    launch_relayout_lf_pf<int64_t>(table, staging0, staging1, static_cast<const int64_t*>(device_indices) + first_token,
-                                   tokens, num_layers, item_bytes, num_kinds, device, stream);
+    launch_relayout_lf_pf<int64_t>(table, staged0, staged1, static_cast<const int64_t*>(device_indices), page_map,
+                                   num_pages, page_size, num_layers, item_bytes, num_kinds, device, relayout_stream);
   } else {
-    launch_relayout_lf_pf<int32_t>(table, staging0, staging1, static_cast<const int32_t*>(device_indices) + first_token,
-                                   tokens, num_layers, item_bytes, num_kinds, device, stream);
+    launch_relayout_lf_pf<int32_t>(table, staged0, staged1, static_cast<const int32_t*>(device_indices), page_map,
+                                   num_pages, page_size, num_layers, item_bytes, num_kinds, device, relayout_stream);
+  }
+  if (pipelined) {
+    check_cuda(cudaEventRecord(events->relayout_done[half], relayout_stream), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream, events->relayout_done[half], 0), "cudaStreamWaitEvent");
   }
 
   const size_t page_bytes = static_cast<size_t>(page_size * num_layers * item_bytes);
@@ -194,37 +255,31 @@ inline int64_t staged_write_back_chunk_impl(const void* layer_ptrs, char* stagin
   // registrations need not be adjacent).
   const bool translate = batch && !can_use_host_pointer(device);
   thread_local CopyList copies;
-  copies.clear();
-  char* staging[2] = {staging0, staging1};
+  char* staged[2] = {staged0, staged1};
   char* host[2] = {host0, host1};
-  for (int kind = 0; kind < num_kinds; ++kind) {
-    for (int64_t p = 0; p < num_pages; ++p) {
-      const int64_t slot = host_page_start(host_indices, host_int64, page_begin + p, page_size);
-      require(slot >= 0 && slot % page_size == 0 && slot + page_size <= host_slots,
-              "staged write-back: a host page start is not page-aligned or lies outside the host buffer");
-      char* dst = host[kind] + static_cast<size_t>(slot) * slot_bytes;
-      if (translate) dst = device_alias(dst);
-      copies.add(dst, staging[kind] + static_cast<size_t>(p) * page_bytes, page_bytes, merge_runs && !translate);
-    }
-  }
-  const int64_t count = static_cast<int64_t>(copies.bytes.size());
-  if (batch && try_copy_batch(copies, device, stream)) return kPathBatch | (count << 2);
-  require(copy_mode != kCopyBatchStrict,
-          "staged write-back: cudaMemcpyBatchAsync is not usable here (needs CUDA runtime and driver >= 12.8 "
-          "and a non-legacy stream)");
-  if (translate) {
-    // cudaMemcpyAsync takes host virtual addresses and translates them itself.
+  auto build = [&](bool use_alias) {
     copies.clear();
     for (int kind = 0; kind < num_kinds; ++kind) {
-      for (int64_t p = 0; p < num_pages; ++p) {
-        const int64_t slot = host_page_start(host_indices, host_int64, page_begin + p, page_size);
-        copies.add(host[kind] + static_cast<size_t>(slot) * slot_bytes, staging[kind] + static_cast<size_t>(p) * page_bytes,
-                   page_bytes, merge_runs);
+      for (int64_t j = 0; j < num_pages; ++j) {
+        char* dst = host[kind] + static_cast<size_t>(host_start[j]) * slot_bytes;
+        if (use_alias) dst = device_alias(dst);
+        copies.add(dst, staged[kind] + static_cast<size_t>(j) * page_bytes, page_bytes, merge_runs && !use_alias);
       }
     }
+  };
+  build(translate);
+  int64_t path = kPathPerCopy;
+  if (batch && try_copy_batch(copies, device, stream)) {
+    path = kPathBatch;
+  } else {
+    require(copy_mode != kCopyBatchStrict,
+            "staged write-back: cudaMemcpyBatchAsync is not usable here (needs CUDA runtime and driver >= 12.8 "
+            "and a non-legacy stream)");
+    if (translate) build(false);  // cudaMemcpyAsync takes host virtual addresses and translates them itself
+    copy_one_by_one(copies, stream);
   }
-  copy_one_by_one(copies, stream);
-  return kPathPerCopy | (static_cast<int64_t>(copies.bytes.size()) << 2);
+  if (pipelined) check_cuda(cudaEventRecord(events->copy_done[half], stream), "cudaEventRecord");
+  return path | (static_cast<int64_t>(copies.bytes.size()) << 2);
 }
 
 }  // namespace kvcacheio
