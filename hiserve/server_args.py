@@ -38,7 +38,8 @@ class ServerArgs:
     context_length: Optional[int] = _arg(
         None, "Maximum tokens per request (prompt + output); default: the model's own.")
     dtype: str = _arg(
-        "auto", "Weight and activation dtype. 'auto' picks bfloat16 on CUDA, float32 on CPU.",
+        "auto", "Weight and activation dtype. 'auto' picks bfloat16 on CUDA and on CPUs with native bf16 "
+        "(AVX512-BF16/AMX), else float32. Use float32 to compare with a float32 reference.",
         choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _arg("auto", "Device to run on; 'auto' picks cuda when available.",
                        choices=("auto", "cpu", "cuda"))
@@ -141,7 +142,8 @@ class ServerArgs:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was given but no CUDA device is available")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+            self.dtype = "bfloat16" if self.device == "cuda" or _cpu_has_bf16() else "float32"
+            logger.info("--dtype auto -> %s", self.dtype)
 
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
@@ -178,6 +180,16 @@ class ServerArgs:
                 raise ValueError(f"--hicache-ratio must be > 1 (host pool larger than device pool), "
                                  f"got {self.hicache_ratio}")
         return self
+
+
+def _cpu_has_bf16() -> bool:
+    """bfloat16 matmuls are fast only on CPUs with native bf16 dot products (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _default_attention_backend(device: str) -> str:

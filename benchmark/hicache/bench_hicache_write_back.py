@@ -1,23 +1,30 @@
 """Write-back (device -> host) and per-layer load-back (host -> device) throughput of the
 hicache transfer paths, each as a ratio to the contiguous pinned copy of the same bytes
-measured in the same run.
+measured in the same run (ratio = limit time / path time).
 
 Section 1, write-back of every layer of `pages` random device pages into a `page_first`
-host buffer (host pages one contiguous run, or shuffled):
+host buffer (host pages one contiguous run in order, or the same pages shuffled):
   * limit      contiguous pinned D2H copy of the same bytes (one cudaMemcpyAsync)
-  * staged     relayout into the device staging buffer + copy engine, batched copies
-               (cudaMemcpyBatchAsync) and per-page copies (cudaMemcpyAsync) each forced
-  * per_token  SM kernel storing each token's rows into mapped host memory
+  * staged     the default staged path (host-page order, pipelined staging halves beyond one
+               staging buffer, one cudaMemcpyBatchAsync per chunk); `per_page`: the same
+               with one cudaMemcpyAsync per copy; `plain`: batched, one stream, pages in the
+               given order (the un-optimised staged path)
+  * per_token  SM kernel storing each token's rows into mapped host memory (block quota 8)
   * reference  torch index copies (the CPU / `direct` path), only up to --reference-max-bytes
-Host enqueue time of the staged path is reported per 64-page chunk (wall time of the call,
-which never waits for the device, divided by its chunks).
+Host enqueue time is the wall time of the call (it never waits for the device), reported
+per 64 pages (one staging buffer). Each figure is the median of --reps timed runs after one
+warm-up, CUDA events around a single call on an otherwise idle GPU, so a small operation
+also pays its own enqueue latency.
 
 Section 2, load-back of one layer from each host layout vs the contiguous pinned H2D copy
-of the same bytes, for several block quotas of the per-layer kernel.
+of the same bytes, for several block quotas of the per-layer kernel; and, at the default
+quota, every layer back to back (as a whole-prefix load-back runs) vs one contiguous copy of
+all of it.
 
 Shapes: MHA Llama-3-8B (32 layers, 8 KV heads x 128, bf16: 2 KiB per token, layer and
-kind, K and V) and MLA DeepSeek-V3 (61 layers, 576 bf16). Configurations above
---max-bytes per operation are not run (NaN), to keep the run inside one device call.
+kind, K and V) and MLA DeepSeek-V3 (61 layers, 576 bf16); page sizes 1, 16, 64; 64 ..
+4096 pages. Trimmed to one ~1-minute run: operations above --max-bytes (2 GiB; e.g. 4096
+pages of 64 tokens would be 32 GiB) are not run and reported as NaN.
 
 Usage: python benchmark/hicache/bench_hicache_write_back.py [--out-dir benchmark/results]
 Writes <out-dir>/h200_hicache_write_back.json (command, machine, date, every figure).

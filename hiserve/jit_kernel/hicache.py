@@ -49,9 +49,10 @@ LAYOUT_CODES = {"layer_first": 0, "page_first": 1, "page_first_direct": 2}
 # (benchmark/hicache/bench_hicache_write_back.py, H200, CUDA 13.0): see COPY_MODE_NOTE.
 COPY_MODES = {"auto": 0, "per_page": 1, "batch": 2}
 COPY_MODE_NOTE = (
-    "auto = one cudaMemcpyBatchAsync per chunk whenever usable: on the H200 run, per-page cudaMemcpyAsync was never "
-    "faster beyond noise at any page size (64 KiB .. 4.4 MiB per page) and cost ~6-11 us of host time per copy "
-    "against ~1 us per batched descriptor"
+    "auto = one cudaMemcpyBatchAsync per chunk whenever usable. H200, one copy per page (shuffled host pages, "
+    "benchmark/results/h200_hicache_write_back_v1_unmerged.json): per-page cudaMemcpyAsync 0.30-0.40 x the D2H "
+    "limit at 64-70 KiB pages vs 0.41-0.87 batched, 0.78-0.85 vs 0.82-0.95 at ~1 MiB, 0.91-0.93 vs 0.92-0.96 at "
+    "~4 MiB; never faster beyond noise, and ~2-3x the host time per copy"
 )
 # SM kernels: blocks per launch, so a transfer beside the forward pass takes few SMs.
 DEFAULT_BLOCK_QUOTA = 8  # H200: 2 blocks reach ~0.5 of the H2D limit, 8 ~0.9, more adds nothing
@@ -187,10 +188,10 @@ def transfer_hicache_all_layer_staged_lf_pf(
     relayout kernel gathers the chunk's tokens of every layer into the staging buffers,
     ordered `[page][token][layer][H][Dh]`, and the copy engine moves each staged page to its
     host page (consecutive host pages merged into one copy), as one `cudaMemcpyBatchAsync`
-    per chunk or one `cudaMemcpyAsync` per copy. Pipelined (default): chunks of half the
-    staging capacity alternate between its two halves, the relayout running on a second
-    stream so it overlaps the previous chunk's copies; otherwise chunks of the whole capacity
-    on the current stream alone. The copies are on the current stream, which is ordered after
+    per chunk or one `cudaMemcpyAsync` per copy. An operation of more pages than the staging
+    capacity is pipelined (unless `pipeline=False`): chunks of half the capacity alternate
+    between its two halves, the relayout running on a second stream so it overlaps the
+    previous chunk's copies; otherwise chunks of the whole capacity on the current stream. The copies are on the current stream, which is ordered after
     every relayout, so work queued after this call on the current stream sees the host pages
     written. The host never waits for the device. Byte-identical to
     `reference.write_back_all_layer_ref(..., "page_first", ...)`.
@@ -210,13 +211,13 @@ def transfer_hicache_all_layer_staged_lf_pf(
             "per_page" (one cudaMemcpyAsync per copy).
         merge_runs: merge consecutive host pages into one copy.
         sort_pages: stage pages in host-page order (more merging); False keeps the given order.
-        pipeline: overlap relayout and copies through two staging halves and a second stream.
+        pipeline: allow overlapping relayout and copies (two staging halves, a second stream).
     Returns:
         StagedWriteBackStats of what was enqueued.
     Raises:
-        ValueError: shapes, dtypes, devices or index placement that do not fit.
-        RuntimeError: host pages that are not page-aligned runs inside the buffer, kernels that
-            cannot be built, or a failed CUDA call.
+        ValueError: shapes, dtypes, devices, index placement, or host pages that are not
+            page-aligned runs inside the host buffers (nothing is enqueued then).
+        RuntimeError: the kernels cannot be built, or a CUDA call failed.
     """
     first = k_layers[0]
     if staging_k is None or staging_v is None:
