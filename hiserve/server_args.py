@@ -54,10 +54,10 @@ class ServerArgs:
                           choices=("debug", "info", "warning", "error", "critical"))
     skip_server_warmup: bool = _arg(False, "Skip the warm-up request after start.")
     enable_metrics: bool = _arg(
-        True, "Serve Prometheus metrics at /metrics (on by default here; accepted for SGLang scripts).")
+        False, "Accepted for SGLang scripts: /metrics is always served here.")
     enable_cache_report: bool = _arg(
-        True, "Report cached prompt tokens in usage.prompt_tokens_details (always on here; accepted "
-        "for SGLang scripts).")
+        False, "Accepted for SGLang scripts: usage.prompt_tokens_details.cached_tokens is always "
+        "reported here.")
     stream_interval: int = _arg(1, "Tokens between two streamed chunks.")
     decode_log_interval: int = _arg(40, "Decode steps between two 'Decode batch' log lines.")
 
@@ -108,8 +108,7 @@ class ServerArgs:
             meta = dict(f.metadata)
             help_text = meta.pop("help")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction if f.default else "store_true",
-                                    default=f.default, help=help_text)
+                parser.add_argument(flag, action="store_true", help=help_text)
                 continue
             base = f.type.replace("Optional[", "").rstrip("]") if isinstance(f.type, str) else f.type
             conv = {"int": int, "float": float, "str": str}.get(base, str)

@@ -508,10 +508,23 @@ class Scheduler:
                     len(self.waiting_queue))
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the API process dies, even by SIGKILL: an orphaned
+    scheduler would otherwise hold the model and the KV pool forever."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        logger.warning("cannot tie the scheduler's life to its parent on this platform")
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
     """Entry point of the scheduler process: build, report readiness (or the error), loop."""
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s scheduler] %(message)s")
+    _die_with_parent()
     try:
         scheduler = Scheduler(server_args, port_args)
     except Exception as e:  # reported to the launcher, which exits with it
