@@ -196,12 +196,9 @@ def _default_attention_backend(device: str) -> str:
         return "torch_native"
     import torch
 
-    try:
-        import flash_attn_interface  # noqa: F401
+    import importlib.util
 
-        has_fa3 = True
-    except ImportError:
-        has_fa3 = False
+    has_fa3 = importlib.util.find_spec("flash_attn_interface") is not None
     if has_fa3 and torch.cuda.get_device_capability()[0] == 9:
         return "fa3"
     return "triton"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -19,7 +18,6 @@ import zmq
 
 from hiserve.engine.io_struct import (
     AbortReq,
-    BatchTokenIDOut,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -30,6 +28,7 @@ from hiserve.engine.io_struct import (
 )
 from hiserve.engine.model_runner import ModelRunner
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
+from hiserve.engine.scheduler_output import SchedulerOutputMixin
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from hiserve.layers.forward_batch import ForwardMode
 from hiserve.mem_cache.radix_cache import RadixCache
@@ -44,7 +43,7 @@ _NEW_TOKEN_RATIO_DECAY = 0.001
 _IDLE_POLL_MS = 50
 
 
-class Scheduler:
+class Scheduler(SchedulerOutputMixin):
     """Owns the running batch, the waiting queue, the radix cache and the model runner."""
 
     def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs]):
@@ -198,7 +197,7 @@ class Scheduler:
         return True
 
     def internal_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len,
             "available_size": self.allocator.available_size(),
@@ -211,6 +210,12 @@ class Scheduler:
             "last_gen_throughput": self.stats.gen_throughput,
             "memory_usage": {"token_capacity": self.max_total_num_tokens},
         }
+        if self.server_args.enable_hierarchical_cache:
+            host = self.tree_cache.mem_pool_host
+            state["host_total_size"] = host.size
+            state["host_available_size"] = host.available_size()
+            state["host_used_size"] = self.tree_cache.host_used_size()
+        return state
 
     # ================================================================== scheduling
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -445,67 +450,6 @@ class Scheduler:
             else:
                 still.append(req)
         self.running = still
-
-    # ================================================================== output
-    def _send_outputs(self, reqs: list[Req]) -> None:
-        interval = self.server_args.stream_interval
-        out = BatchTokenIDOut([], [], [], [], [], [], [], stats=self._update_stats())
-        for req in reqs:
-            n_report = min(len(req.output_ids), req.max_new_tokens)
-            pending = n_report - req.sent_offset
-            if not req.finished:
-                if not req.stream:
-                    continue
-                step = req.sampling_params.stream_interval or interval
-                if pending < step and req.sent_offset > 0:
-                    continue
-            out.rids.append(req.rid)
-            out.new_output_ids.append(req.output_ids[req.sent_offset:n_report])
-            req.sent_offset = n_report
-            out.finished_reasons.append(req.finished_reason)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(n_report)
-            out.cached_tokens_device.append(req.cached_tokens_device)
-            out.cached_tokens_host.append(req.cached_tokens_host)
-        if out.rids:
-            self._emit(out)
-
-    def _emit(self, msg: Any) -> None:
-        if self.send_to_api is None:
-            self.outbox.append(msg)
-        else:
-            self.send_to_api.send_pyobj(msg)
-
-    def _update_stats(self) -> SchedulerStats:
-        s = self.stats
-        s.num_running_reqs = len(self.running)
-        s.num_queue_reqs = len(self.waiting_queue)
-        s.num_used_tokens = self.max_total_num_tokens - self.allocator.available_size()
-        s.token_usage = s.num_used_tokens / self.max_total_num_tokens
-        if self.server_args.enable_hierarchical_cache:
-            tc = self.tree_cache
-            s.hicache_host_used_tokens = tc.host_used_size()
-            s.hicache_host_total_tokens = tc.host_total_size()
-            s.backed_up_tokens_total = tc.backed_up_tokens_total
-            s.loaded_back_tokens_total = tc.loaded_back_tokens_total
-        return s
-
-    def _log_prefill(self, reqs: list[Req], extend_lens: list[int]) -> None:
-        cached = sum(len(r.prefix_indices) for r in reqs)
-        self._update_stats()
-        logger.info("Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                    "#running-req: %d, #queue-req: %d", len(reqs), sum(extend_lens), cached,
-                    self.stats.token_usage, len(self.running), len(self.waiting_queue))
-
-    def _log_decode(self) -> None:
-        now = time.monotonic()
-        self.stats.gen_throughput = self._gen_tokens_since_log / max(1e-9, now - self._last_log_time)
-        self._gen_tokens_since_log, self._last_log_time = 0, now
-        self._update_stats()
-        logger.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
-                    "gen throughput (token/s): %.2f, #queue-req: %d", len(self.running),
-                    self.stats.num_used_tokens, self.stats.token_usage, self.stats.gen_throughput,
-                    len(self.waiting_queue))
 
 
 def _die_with_parent() -> None:

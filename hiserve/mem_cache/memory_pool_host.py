@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hiserve.jit_kernel import hicache
-from hiserve.jit_kernel.reference import LAYOUTS, WRITE_BACK_STAGING_PAGE_CHUNK, check_layout, host_kind_shape
+from hiserve.jit_kernel.reference import WRITE_BACK_STAGING_PAGE_CHUNK, check_layout, host_kind_shape
 
 if TYPE_CHECKING:
     from hiserve.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool

@@ -1,0 +1,76 @@
+"""The scheduler's outgoing side: token batches for the API process, stats and log lines."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hiserve.engine.io_struct import BatchTokenIDOut, SchedulerStats
+from hiserve.engine.schedule_batch import Req
+
+logger = logging.getLogger("hiserve.engine.scheduler")
+
+
+class SchedulerOutputMixin:
+    """Mixed into `Scheduler`; reads its queues, pools and `server_args`."""
+
+    def _send_outputs(self, reqs: list[Req]) -> None:
+        interval = self.server_args.stream_interval
+        out = BatchTokenIDOut([], [], [], [], [], [], [], stats=self._update_stats())
+        for req in reqs:
+            n_report = min(len(req.output_ids), req.max_new_tokens)
+            pending = n_report - req.sent_offset
+            if not req.finished:
+                if not req.stream:
+                    continue
+                step = req.sampling_params.stream_interval or interval
+                if pending < step and req.sent_offset > 0:
+                    continue
+            out.rids.append(req.rid)
+            out.new_output_ids.append(req.output_ids[req.sent_offset:n_report])
+            req.sent_offset = n_report
+            out.finished_reasons.append(req.finished_reason)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(n_report)
+            out.cached_tokens_device.append(req.cached_tokens_device)
+            out.cached_tokens_host.append(req.cached_tokens_host)
+        if out.rids:
+            self._emit(out)
+
+    def _emit(self, msg: Any) -> None:
+        if self.send_to_api is None:
+            self.outbox.append(msg)
+        else:
+            self.send_to_api.send_pyobj(msg)
+
+    def _update_stats(self) -> SchedulerStats:
+        s = self.stats
+        s.num_running_reqs = len(self.running)
+        s.num_queue_reqs = len(self.waiting_queue)
+        s.num_used_tokens = self.max_total_num_tokens - self.allocator.available_size()
+        s.token_usage = s.num_used_tokens / self.max_total_num_tokens
+        if self.server_args.enable_hierarchical_cache:
+            tc = self.tree_cache
+            s.hicache_host_used_tokens = tc.host_used_size()
+            s.hicache_host_total_tokens = tc.host_total_size()
+            s.backed_up_tokens_total = tc.backed_up_tokens_total
+            s.loaded_back_tokens_total = tc.loaded_back_tokens_total
+        return s
+
+    def _log_prefill(self, reqs: list[Req], extend_lens: list[int]) -> None:
+        cached = sum(len(r.prefix_indices) for r in reqs)
+        self._update_stats()
+        logger.info("Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                    "#running-req: %d, #queue-req: %d", len(reqs), sum(extend_lens), cached,
+                    self.stats.token_usage, len(self.running), len(self.waiting_queue))
+
+    def _log_decode(self) -> None:
+        now = time.monotonic()
+        self.stats.gen_throughput = self._gen_tokens_since_log / max(1e-9, now - self._last_log_time)
+        self._gen_tokens_since_log, self._last_log_time = 0, now
+        self._update_stats()
+        logger.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
+                    "gen throughput (token/s): %.2f, #queue-req: %d", len(self.running),
+                    self.stats.num_used_tokens, self.stats.token_usage, self.stats.gen_throughput,
+                    len(self.waiting_queue))
