@@ -54,6 +54,8 @@ class ModelRunner:
 
         self.model, self.model_config = load_model(server_args.model_path, self.dtype, self.device)
         self.model.eval()
+        if getattr(self.model, "pack_for_cpu", None) is not None and self.model.pack_for_cpu():
+            logger.info("Linear weights prepacked for oneDNN (CPU, %s)", server_args.dtype)
         model_max = self.model_config.max_position_embeddings
         if server_args.context_length is not None and server_args.context_length > model_max:
             raise ValueError(f"--context-length {server_args.context_length} exceeds the model's "

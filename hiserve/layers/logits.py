@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.layers.linear import PackedLinear, linear
 
 
 class LogitsProcessor(nn.Module):
@@ -16,7 +16,8 @@ class LogitsProcessor(nn.Module):
     """
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
+        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor | PackedLinear,
+        forward_batch: ForwardBatch
     ) -> torch.Tensor:
         if forward_batch.forward_mode.is_extend() and hidden_states.shape[0] != forward_batch.batch_size:
             last, acc = [], 0
@@ -25,4 +26,4 @@ class LogitsProcessor(nn.Module):
                 last.append(acc - 1)
             index = torch.tensor(last, dtype=torch.long, device=hidden_states.device)
             hidden_states = hidden_states.index_select(0, index)
-        return F.linear(hidden_states, lm_head_weight).float()
+        return linear(hidden_states, lm_head_weight).float()

@@ -14,6 +14,7 @@ from torch import nn
 from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.base import RadixAttention
 from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, pack_linear_layers
 from hiserve.layers.logits import LogitsProcessor
 from hiserve.layers.norms import RMSNorm
 from hiserve.layers.rotary import RotaryEmbedding
@@ -128,10 +129,25 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.logits_processor = LogitsProcessor()
+        self.packed_lm_head: PackedLinear | None = None
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor | PackedLinear:
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_cpu(self) -> bool:
+        """After loading: prepack every projection (and the LM head) for oneDNN when
+        `can_pack_for_cpu` says so; returns whether it did."""
+        weight = self.lm_head_weight
+        if not can_pack_for_cpu(weight.device, weight.dtype):
+            return False
+        pack_linear_layers(self.model)
+        self.packed_lm_head = PackedLinear(weight, None)
+        if self.lm_head is not None:
+            self.lm_head = None  # the packed copy replaces it
+        return True
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:

@@ -50,6 +50,15 @@ class _ExtendRequest:
     mask: torch.Tensor | None  # [extend_len, seq_len] bool, None when there is no prefix
 
 
+def _gather_rows(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`buf.reshape(-1, D).index_select(0, rows)`, moving each row as int64 words when it can:
+    index_select copies 16-bit elements one at a time, 8-byte words 2-4x faster on the CPU."""
+    flat = buf.reshape(-1, buf.shape[-1])
+    if (flat.shape[-1] * flat.element_size()) % 8 == 0 and flat.element_size() < 8:
+        return flat.view(torch.int64).index_select(0, rows).view(flat.dtype)
+    return flat.index_select(0, rows)
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         # Accepts (and ignores) construction arguments such as a model runner.
@@ -142,8 +151,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         group = hq // hkv
         # One gather per buffer, landing contiguous in [B, Hkv, L, D] (no transpose copy).
         rows = meta.rows_for(hkv)
-        keys = k_buf.reshape(-1, k_buf.shape[-1]).index_select(0, rows).view(b, hkv, meta.max_len, -1)
-        values = v_buf.reshape(-1, v_buf.shape[-1]).index_select(0, rows).view(b, hkv, meta.max_len, -1)
+        keys = _gather_rows(k_buf, rows).view(b, hkv, meta.max_len, -1)
+        values = _gather_rows(v_buf, rows).view(b, hkv, meta.max_len, -1)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         q4 = q.view(b, hkv, group, layer.head_dim)  # q head h uses kv head h // group
