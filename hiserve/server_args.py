@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("torch_native", "triton", "fa3")
+# triton and fa3 (issue "GPU serving") join this list when their backends exist.
+ATTENTION_BACKENDS = ("torch_native",)
 HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -81,10 +82,8 @@ class ServerArgs:
         choices=("fcfs", "lpm"))
     disable_radix_cache: bool = _arg(False, "Disable prefix caching.")
     attention_backend: Optional[str] = _arg(
-        None, "Attention kernels. Default: fa3 on Hopper when importable, else triton on CUDA, "
-        "torch_native on CPU.", choices=ATTENTION_BACKENDS)
-    cuda_graph_max_bs: Optional[int] = _arg(None, "Largest decode batch captured in a CUDA graph.")
-    disable_cuda_graph: bool = _arg(False, "Run decode without CUDA graphs.")
+        None, "Attention kernels. torch_native (CPU and CUDA) is the one implemented so far.",
+        choices=ATTENTION_BACKENDS)
     tp_size: int = _arg(1, "Tensor-parallel ranks (only 1 is implemented).")
 
     # Hierarchical cache
@@ -160,11 +159,7 @@ class ServerArgs:
             self.mem_fraction_static = 0.85
 
         if self.attention_backend is None:
-            self.attention_backend = _default_attention_backend(self.device)
-        if self.device == "cpu" and self.attention_backend != "torch_native":
-            raise ValueError(f"--attention-backend {self.attention_backend} needs CUDA; "
-                             "on CPU use torch_native")
-
+            self.attention_backend = "torch_native"
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
@@ -189,19 +184,6 @@ def _cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _default_attention_backend(device: str) -> str:
-    if device != "cuda":
-        return "torch_native"
-    import torch
-
-    import importlib.util
-
-    has_fa3 = importlib.util.find_spec("flash_attn_interface") is not None
-    if has_fa3 and torch.cuda.get_device_capability()[0] == 9:
-        return "fa3"
-    return "triton"
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:

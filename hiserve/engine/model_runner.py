@@ -24,19 +24,11 @@ _DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 def create_attention_backend(name: str, runner: "ModelRunner") -> Any:
-    """Instantiate the backend named by --attention-backend (imported lazily: GPU ones need CUDA)."""
+    """Instantiate the backend named by --attention-backend."""
     if name == "torch_native":
         from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 
         return TorchNativeAttnBackend(runner)
-    if name == "triton":
-        from hiserve.layers.attention.triton_backend import TritonAttnBackend
-
-        return TritonAttnBackend(runner)
-    if name == "fa3":
-        from hiserve.layers.attention.fa3 import FlashAttention3Backend
-
-        return FlashAttention3Backend(runner)
     raise ValueError(f"unknown --attention-backend {name!r}")
 
 
