@@ -66,7 +66,7 @@ class ServerArgs:
     page_size: int = _arg(1, "Tokens per KV page (the unit of allocation and prefix matching).")
     max_total_tokens: Optional[int] = _arg(
         None, "KV slots in the device pool. Default: sized from --mem-fraction-static on CUDA, "
-        "65536 tokens on CPU.")
+        "32768 tokens on CPU.")
     mem_fraction_static: Optional[float] = _arg(
         None, "Fraction of GPU memory for weights and the KV pool (CUDA only); default 0.85.")
     max_running_requests: Optional[int] = _arg(

@@ -257,7 +257,7 @@ async def generate(obj: GenerateReqInput, request: Request) -> Response:
             raise BadRequestError("Either text or input_ids should be provided (exactly one).", param="text")
         if obj.text is not None:
             batched = isinstance(obj.text, list)
-            prompts = [tm.tokenize(t) for t in (obj.text if batched else [obj.text])]
+            prompts = [tm.tokenize(t, param="text") for t in (obj.text if batched else [obj.text])]
         else:
             batched = bool(obj.input_ids) and isinstance(obj.input_ids[0], list)
             prompts = obj.input_ids if batched else [obj.input_ids]

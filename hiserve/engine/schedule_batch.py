@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,11 +37,8 @@ class Req:
         self.cached_tokens_device = 0
         self.cached_tokens_host = 0
         self.host_hit_length = 0  # tokens of the current match that sit on the host tier
-        self.last_host_node: Any = None
-        self.is_retracted = False
         self.admitted_once = False
         self.sent_offset = 0  # output ids already sent to the API process
-        self.created_time = time.monotonic()
 
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         if not sampling_params.ignore_eos:

@@ -44,6 +44,7 @@ class PrefillAdder:
                  max_new_reqs: int):
         self.tree_cache = tree_cache
         self.page_size = page_size
+        self.new_token_ratio = new_token_ratio
         reserve = sum(min(r.max_new_tokens - len(r.output_ids), _DECODE_RESERVE_CLIP) for r in running)
         self.rem_total_tokens = (allocator.available_size() + tree_cache.evictable_size()
                                  - int(reserve * new_token_ratio))
@@ -64,11 +65,18 @@ class PrefillAdder:
         self.tree_cache.dec_lock_ref(req.last_node)
         self.rem_total_tokens += self.tree_cache.evictable_size() - before
 
+    def _total_need(self, req: Req) -> int:
+        """Slots the request still needs: its whole remaining prompt (every later chunk too)
+        and its decode reserve, rounded up to pages plus one partly filled page."""
+        extend_len = len(req.fill_ids) - len(req.prefix_indices)
+        decode = min(req.max_new_tokens - len(req.output_ids), _DECODE_RESERVE_CLIP)
+        tokens = extend_len + int(decode * self.new_token_ratio)
+        return (-(-tokens // self.page_size) + 1) * self.page_size
+
     def _take(self, req: Req, extend_len: int) -> None:
+        self.rem_total_tokens -= self._total_need(req)
         req.extend_input_len = extend_len
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + extend_len]
-        pages = -(-extend_len // self.page_size) + 1  # +1: a partly filled last page
-        self.rem_total_tokens -= pages * self.page_size
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len
@@ -100,10 +108,7 @@ class PrefillAdder:
             return AddResult.OTHER
         # Lock first: the request's own cached prefix must not count as room for it.
         self._lock(req)
-        total_need = extend_len + min(req.max_new_tokens - len(req.output_ids), _DECODE_RESERVE_CLIP)
-        if limit is not None:
-            total_need = min(total_need, limit)
-        if total_need + self.page_size > self.rem_total_tokens:
+        if self._total_need(req) > self.rem_total_tokens:
             self._unlock(req)
             return AddResult.NO_TOKEN
         if limit is not None and extend_len > limit:

@@ -144,7 +144,8 @@ class Scheduler(SchedulerOutputMixin):
     def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
         sp = recv.sampling_params
         n_in = len(recv.input_ids)
-        room = self.context_len - n_in
+        # A request must fit alone in the device pool, or retraction could never make room for it.
+        room = min(self.context_len, self.max_total_num_tokens - self.page_size) - n_in
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         req = Req(recv.rid, list(recv.input_ids), sp, recv.stream, max_new, self.eos_token_ids)
         error = None
@@ -243,8 +244,10 @@ class Scheduler(SchedulerOutputMixin):
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
-            # Loaded-back KV stays locked until its ack: it leaves the budget now.
-            adder.rem_total_tokens -= self._match_prefix(req, mem_quota=adder.rem_total_tokens)
+            # A load-back allocates and locks (its device ancestors too): charge the real drop in room.
+            room = self._decode_room()
+            self._match_prefix(req, mem_quota=adder.rem_total_tokens)
+            adder.rem_total_tokens -= room - self._decode_room()
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 if req in adder.can_run:
                     continue
@@ -268,7 +271,6 @@ class Scheduler(SchedulerOutputMixin):
         match = self.tree_cache.match_prefix(req.fill_ids[:-1])
         req.prefix_indices = match.device_indices
         req.last_node = match.last_device_node
-        req.last_host_node = match.last_host_node
         req.host_hit_length = match.host_hit_length
         if not self.server_args.enable_hierarchical_cache:
             return 0
@@ -285,9 +287,15 @@ class Scheduler(SchedulerOutputMixin):
         req.host_hit_length = loaded or min(loaded_before, len(req.prefix_indices))
         return loaded
 
-    def _alloc_or_evict(self, alloc_fn: Any, need: int, *args: Any) -> Optional[torch.Tensor]:
-        if self.allocator.available_size() < need + self.page_size:
-            self.tree_cache.evict(need + self.page_size - self.allocator.available_size())
+    def _new_pages(self, prefix_lens: list[int], seq_lens: list[int]) -> int:
+        """Pages an allocation needs: position j lives on page j // page_size of its request."""
+        p = self.page_size
+        return sum(-(-s // p) - -(-q // p) for q, s in zip(prefix_lens, seq_lens))
+
+    def _alloc_or_evict(self, alloc_fn: Any, need_pages: int, *args: Any) -> Optional[torch.Tensor]:
+        short = need_pages * self.page_size - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
         return alloc_fn(*args)
 
     def prepare_extend(self, reqs: list[Req]) -> ScheduleBatch:
@@ -307,7 +315,8 @@ class Scheduler(SchedulerOutputMixin):
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
         last_loc = [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1
                     for r, p in zip(reqs, prefix_lens)]
-        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_extend, sum(extend_lens),
+        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_extend,
+                                             self._new_pages(prefix_lens, seq_lens),
                                              prefix_lens, seq_lens, last_loc)
         if out_cache_loc is None:
             raise RuntimeError("KV pool exhausted during prefill admission (budget accounting bug)")
@@ -342,7 +351,9 @@ class Scheduler(SchedulerOutputMixin):
         idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         pos = torch.tensor(seq_lens, dtype=torch.int64) - 1
         last_loc = pool.req_to_token[idx, pos - 1].tolist()
-        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_decode, len(reqs), seq_lens, last_loc)
+        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_decode,
+                                             self._new_pages([s - 1 for s in seq_lens], seq_lens),
+                                             seq_lens, last_loc)
         if out_cache_loc is None:
             raise RuntimeError("KV pool exhausted after retraction (accounting bug)")
         pool.req_to_token[idx, pos] = out_cache_loc.to(torch.int32)
@@ -359,16 +370,17 @@ class Scheduler(SchedulerOutputMixin):
 
     def _retract_until_fits(self) -> None:
         """Move running requests back to the waiting queue until one decode step fits."""
-        need = len(self.running) * self.page_size
+        def need() -> int:
+            lens = [r.seqlen for r in self.running]
+            return self._new_pages([n - 1 for n in lens], lens) * self.page_size
+
         retracted = []
-        while self.running and self._decode_room() < need:
+        while self.running and self._decode_room() < need():
             req = self.running.pop()  # the most recently admitted loses its place
             retracted.append(req)
             # Its KV goes into the radix cache (unlocked), so readmission re-uses what survives.
             self.tree_cache.cache_finished_req(req)
             self._reset_kv_state(req)
-            req.is_retracted = True
-            need = len(self.running) * self.page_size
         if retracted:
             self.stats.num_retracted_reqs += len(retracted)
             self.waiting_queue = retracted[::-1] + self.waiting_queue
@@ -382,7 +394,8 @@ class Scheduler(SchedulerOutputMixin):
 
     def _release_chunked(self, req: Req) -> None:
         """Free an unfinished prompt's KV: the tree keeps the page-aligned part, we free the tail."""
-        n_tree = len(req.prefix_indices) // self.page_size * self.page_size
+        # Without a radix cache the tree owns none of it.
+        n_tree = 0 if self.tree_cache.disable else len(req.prefix_indices) // self.page_size * self.page_size
         if len(req.prefix_indices) > n_tree:
             self.allocator.free(req.prefix_indices[n_tree:])
         self.tree_cache.dec_lock_ref(req.last_node)
@@ -428,8 +441,6 @@ class Scheduler(SchedulerOutputMixin):
     def process_decode_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         next_ids = self.model_runner.sample(logits, batch.reqs, self.eos_token_ids)
         for req, tok in zip(batch.reqs, next_ids):
-            if req.finished:  # aborted while this step ran
-                continue
             req.output_ids.append(tok)
             req.check_finished(self.tokenizer, self.context_len)
         self._gen_tokens_since_log += len(batch.reqs)

@@ -217,8 +217,13 @@ class TokenizerManager:
         self._send_sock.send_pyobj(msg)
 
     # ------------------------------------------------------------------ tokenization
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; raises BadRequestError (400) for text the tokenizer refuses
+        (e.g. lone surrogates)."""
+        try:
+            return self.tokenizer.encode(text)
+        except (TypeError, ValueError) as e:
+            raise BadRequestError(f"The text cannot be tokenized: {e}", param=param) from e
 
     def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: Optional[dict[str, Any]],
                             continue_final_message: bool = False) -> list[int]:
@@ -306,9 +311,11 @@ class TokenizerManager:
         sequences are aborted.
         """
         self._check_alive()
+        seen: set[str] = set()
         for _, req in subreqs:
-            if req.rid in self.rid_to_state:
+            if req.rid in self.rid_to_state or req.rid in seen:
                 raise BadRequestError(f"A request with rid {req.rid!r} is already running.", param="rid")
+            seen.add(req.rid)
         event = asyncio.Event()
         states = []
         for index, (parent, req) in enumerate(subreqs):
