@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'scenario':<9}{'conc':>5}  {'metric':<22}{args.ours:>12}{args.baseline:>12}{'ratio':>8}")
     for scen, conc, metric in REPORTED:
-        a = load_level(args.ours, scen, conc)[metric]
-        b = load_level(args.baseline, scen, conc)[metric]
+        # A figure a server does not report (e.g. cached tokens without usage details) is NaN.
+        a = load_level(args.ours, scen, conc).get(metric)
+        b = load_level(args.baseline, scen, conc).get(metric)
+        a, b = (float("nan") if x is None else x for x in (a, b))
         ratio = a / b if b else float("nan")
         rows.append({"scenario": scen, "concurrency": conc, "metric": metric,
                      args.ours: a, args.baseline: b, "ratio": ratio})

@@ -41,6 +41,9 @@ _INIT_NEW_TOKEN_RATIO = 0.7
 _MIN_NEW_TOKEN_RATIO = 0.1
 _NEW_TOKEN_RATIO_DECAY = 0.001
 _IDLE_POLL_MS = 50
+# A waiting request whose uncached part begins with this many tokens that a request in the
+# same prefill batch computes waits one round, then hits them in the radix cache.
+_IN_BATCH_PREFIX_MIN = 32
 
 
 class Scheduler(SchedulerOutputMixin):
@@ -248,6 +251,8 @@ class Scheduler(SchedulerOutputMixin):
             room = self._decode_room()
             self._match_prefix(req, mem_quota=adder.rem_total_tokens)
             adder.rem_total_tokens -= room - self._decode_room()
+            if self._shares_uncached_prefix(req, adder.can_run):
+                continue  # next round it hits the prefix this batch inserts, instead of recomputing it
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 if req in adder.can_run:
                     continue
@@ -260,6 +265,19 @@ class Scheduler(SchedulerOutputMixin):
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
         self.chunked_req = adder.new_chunked_req
         return self.prepare_extend(adder.can_run)
+
+    def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
+        """Whether `req`'s uncached tokens start with a run of at least _IN_BATCH_PREFIX_MIN
+        tokens that a request already in this batch computes (SGLang defers such requests too)."""
+        if self.tree_cache.disable or not admitted:
+            return False
+        start = len(req.prefix_indices)
+        for other in admitted:
+            a, b = req.fill_ids, other.fill_ids
+            end = min(len(a), len(b), start + _IN_BATCH_PREFIX_MIN)
+            if end - start == _IN_BATCH_PREFIX_MIN and a[start:end] == b[start:end]:
+                return True
+        return False
 
     def _match_prefix(self, req: Req, mem_quota: Optional[int] = None) -> int:
         """Set the request's cached prefix; returns tokens loaded back from the host tier."""
