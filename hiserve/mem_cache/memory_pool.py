@@ -12,6 +12,8 @@ Sizes: `*_bytes` are bytes; `size`, `slots` and token counts are elements (token
 
 from __future__ import annotations
 
+
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
@@ -27,7 +29,7 @@ def _uint64_ptrs(buffers: list[torch.Tensor], device: torch.device) -> torch.Ten
     return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=device)
 
 
-class KVCache:
+class KVCache(ABC):
     """Common state of the device KV pools.
 
     Args:
@@ -65,23 +67,28 @@ class KVCache:
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(layer_id)
 
+    @abstractmethod
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor this pool allocated."""
-        raise NotImplementedError
+        ...
 
     def get_kv_size_bytes(self) -> int:
         """Bytes held by all buffers of this pool, padding page included."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    @abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def set_kv_buffer(
         self,
         layer_id: int,
@@ -89,7 +96,7 @@ class KVCache:
         cache_k: torch.Tensor,
         cache_v: torch.Tensor | None,
     ) -> None:
-        raise NotImplementedError
+        ...
 
 
 class MHATokenToKVPool(KVCache):

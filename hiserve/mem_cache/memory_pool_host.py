@@ -29,6 +29,7 @@ import mmap
 import os
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -175,7 +176,7 @@ class _RegisteredHostMemory:
 # ----------------------------------------------------------------------------- pools
 
 
-class HostKVCache:
+class HostKVCache(ABC):
     """Host pool of S slots in `layout`, with a page-granular slot allocator.
 
     Args:
@@ -249,9 +250,10 @@ class HostKVCache:
     # -- per-kind shape, defined by MHA / MLA
 
     @property
+    @abstractmethod
     def item_shape(self) -> tuple[int, ...]:
         """Shape of one token of one layer of one kind: (H, Dh) for MHA, (1, Dm) for MLA."""
-        raise NotImplementedError
+        ...
 
     def get_size_per_token_bytes(self) -> int:
         """Bytes of one token across all layers and kinds (MHA: 2*H*Dh*L*itemsize; MLA: Dm*L*itemsize)."""
@@ -373,13 +375,15 @@ class HostKVCache:
         if not 0 <= layer_id < self.layer_num:
             raise ValueError(f"layer_id={layer_id} out of range for {self.layer_num} layers")
 
+    @abstractmethod
     def backup_from_device_all_layer(
         self, device_pool: "KVCache", host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None:
         """Write-back: copy every layer of `device_indices` (device slots, on the device) into
         `host_indices` (host slots from `alloc`, CPU). Raises as `hicache.write_back_all_layer`."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def load_to_device_per_layer(
         self,
         device_pool: "KVCache",
@@ -390,7 +394,7 @@ class HostKVCache:
     ) -> None:
         """Load-back of one layer: host slots `host_indices` (CPU) into device slots
         `device_indices` (on the device) of layer `layer_id`."""
-        raise NotImplementedError
+        ...
 
 
 class MHATokenToKVPoolHost(HostKVCache):
