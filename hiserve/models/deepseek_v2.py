@@ -28,6 +28,7 @@ from torch import nn
 
 from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.mla import MLAAttention
+from hiserve.layers.decoder_layer import PreNormDecoderLayer
 from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.logits import LogitsProcessor
 from hiserve.layers.moe import RoutedExperts, select_experts
@@ -225,7 +226,7 @@ class DeepseekV2Attention(nn.Module):
 
 
 # ---------------------------------------------------------------------- model
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         self.self_attn = DeepseekV2Attention(config, layer_id, dtype)
@@ -235,16 +236,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             self.mlp = DeepseekV2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, hidden_states, residual, cos_sin, rotary, forward_batch):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos_sin, rotary, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class DeepseekV2Model(nn.Module):

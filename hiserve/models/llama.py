@@ -13,6 +13,7 @@ from torch import nn
 
 from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.decoder_layer import PreNormDecoderLayer
 from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, pack_linear_layers
 from hiserve.layers.logits import LogitsProcessor
@@ -69,23 +70,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, dtype)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, hidden_states, residual, cos_sin, rotary, forward_batch):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos_sin, rotary, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
