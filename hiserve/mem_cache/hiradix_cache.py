@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import heapq
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from hiserve.mem_cache.cache_controller import HiCacheController
-from hiserve.mem_cache.radix_cache import CacheableReq, MatchResult, RadixCache, TreeNode
+from hiserve.mem_cache.radix_cache import CacheableReq, RadixCache, TreeNode
 
 if TYPE_CHECKING:
     from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
@@ -126,11 +125,7 @@ class HiRadixCache(RadixCache):
         """
         self.cache_controller.reset()
         self.mem_pool_host.clear()
-        self.root_node = HiTreeNode()
-        self.root_node.value = self._empty_indices()
-        self.root_node.lock_ref = 1
-        self._evictable_size = 0
-        self._protected_size = 0
+        super().reset()
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
 
@@ -142,100 +137,25 @@ class HiRadixCache(RadixCache):
         """Host slots in use (held by tree nodes)."""
         return self.mem_pool_host.size - self.mem_pool_host.available_size()
 
+    def _new_node(self) -> TreeNode:
+        return HiTreeNode()
+
     def _split_node(self, node: TreeNode, split_len: int) -> TreeNode:
-        """As RadixCache's, on HiTreeNodes: value, host_value, lock_ref, hit_count and host_ref
-        are split or copied consistently (a node in flight keeps its id: the lower half)."""
-        upper = HiTreeNode()
-        upper.parent = node.parent
-        upper.key = node.key[:split_len]
-        upper.value = None if node.value is None else node.value[:split_len]
-        upper.host_value = None if node.host_value is None else node.host_value[:split_len]
-        upper.lock_ref = node.lock_ref
+        """As RadixCache's (which also splits host_value); both halves keep hit_count and
+        host_ref too (a node in flight keeps its id: the lower half)."""
+        upper = super()._split_node(node, split_len)
         upper.hit_count = node.hit_count
         upper.host_ref = node.host_ref
-        upper.last_access_time = node.last_access_time
-        node.parent.children[self._child_key(upper.key)] = upper
-        node.key = node.key[split_len:]
-        node.value = None if node.value is None else node.value[split_len:]
-        node.host_value = None if node.host_value is None else node.host_value[split_len:]
-        node.parent = upper
-        upper.children = {self._child_key(node.key): node}
         return upper
 
     # ---- match and insert -----------------------------------------------------------
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of `key`, through host-only nodes too.
+    # match_prefix and insert are RadixCache's: they already walk through host-only nodes
+    # (match counts them as host hits, insert gives them the caller's device slots back).
 
-        Returns device_indices of the device part, last_device_node (deepest device node),
-        last_host_node (deepest matched node; == last_device_node without a host part) and
-        host_hit_length (tokens past last_device_node that only the host holds).
-        """
-        key = key[: len(key) - len(key) % self.page_size]
-        node, last_device, values, host_len = self.root_node, self.root_node, [], 0
-        now = time.monotonic()
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            child.last_access_time = now
-            n = self._page_match_len(child.key, key)
-            ends_inside = n < len(child.key)
-            if ends_inside:
-                child = self._split_node(child, n)
-            if child.evicted:
-                host_len += len(child.host_value)
-            else:
-                assert host_len == 0, "a device node below a host-only node"
-                values.append(child.value)
-                last_device = child
-            node, key = child, key[n:]
-            if ends_inside:
-                break
-        indices = torch.cat(values) if values else self._empty_indices()
-        return MatchResult(indices, last_device, node, host_len)
-
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert `key` with device slots `value`; returns the length of the *device* prefix
-        the tree already had (the caller frees `value[:returned]` as duplicates, beyond its
-        own cached part).
-
-        Host-only nodes on the path take the caller's slots (`value`) and become backed up;
-        new nodes are created as in RadixCache. Then the write policy backs up what it
-        wants (see the module docstring).
-        """
-        if len(key) != len(value):
-            raise ValueError(f"key has {len(key)} tokens but value has {len(value)} slots")
-        if len(key) % self.page_size != 0:
-            raise ValueError(f"key length {len(key)} is not a multiple of page_size {self.page_size}")
-        now = time.monotonic()
-        node, device_prefix_len, revived, path = self.root_node, 0, False, []
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            child.last_access_time = now
-            n = self._page_match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split_node(child, n)
-            if child.evicted:
-                child.value = value[:n].to(self.device, torch.int64, copy=True)
-                self._evictable_size += n
-                revived = True
-            else:
-                assert not revived, "a device node below a host-only node"
-                device_prefix_len += n
-            path.append(child)
-            node, key, value = child, key[n:], value[n:]
-        if key:
-            leaf = HiTreeNode()
-            leaf.parent = node
-            leaf.key = list(key)
-            leaf.value = value.to(self.device, torch.int64, copy=True)
-            leaf.last_access_time = now
-            node.children[self._child_key(leaf.key)] = leaf
-            self._evictable_size += len(key)
-            path.append(leaf)
+    def _after_insert(self, path: list[TreeNode]) -> None:
+        """Count hits (only during cache_finished_req's insert), then back up what the
+        write policy wants (see the module docstring)."""
         if self._counting_hits:
             for n in path:
                 n.hit_count += 1
@@ -244,7 +164,6 @@ class HiRadixCache(RadixCache):
         elif self.write_policy == "write_through_selective":
             self._backup_nodes(
                 [n for n in path if not n.backuped and n.hit_count >= SELECTIVE_WRITE_THRESHOLD])
-        return device_prefix_len
 
     def cache_finished_req(self, req: CacheableReq) -> None:
         """As RadixCache's; this insert is the one that counts hits (one per request)."""

@@ -159,13 +159,17 @@ class RadixCache:
         n = _match_len(a, b)
         return n - n % self.page_size
 
+    def _new_node(self) -> TreeNode:
+        """Every node of the tree is made here, so a subclass's tree holds its own node type."""
+        return TreeNode()
+
     def _split_node(self, node: TreeNode, split_len: int) -> TreeNode:
         """Cut `node` after `split_len` tokens; returns the new upper node.
 
         The original object keeps the lower part, so a request whose `last_node` is
         `node` still ends at the same place; both halves keep `node`'s lock_ref.
         """
-        upper = TreeNode()
+        upper = self._new_node()
         upper.parent = node.parent
         upper.key = node.key[:split_len]
         upper.value = None if node.value is None else node.value[:split_len]
@@ -190,7 +194,7 @@ class RadixCache:
         Does not free any slot: callers reset together with `allocator.clear()`
         (flush), or evict everything first.
         """
-        self.root_node = TreeNode()
+        self.root_node = self._new_node()
         self.root_node.value = self._empty_indices()
         self.root_node.lock_ref = 1
         self._evictable_size = 0
@@ -248,18 +252,20 @@ class RadixCache:
     # ---- match and insert ---------------------------------------------------------
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of `key` (token ids).
+        """Longest cached page-aligned prefix of `key` (token ids), through host-only nodes too.
 
         Splits the last node when the match ends inside it, and refreshes
         last_access_time along the path. `device_indices` is int64 `[matched]` on the
-        allocator's device.
+        allocator's device and covers the device part; last_host_node is the deepest
+        matched node and host_hit_length the tokens past last_device_node that only the
+        host holds (both trivial without a host tier, which alone makes host-only nodes).
         """
         key = key[: len(key) - len(key) % self.page_size]
         if self.disable or not key:
             return MatchResult(self._empty_indices(), self.root_node, self.root_node)
 
         now = time.monotonic()
-        node, values = self.root_node, []
+        node, last_device, values, host_len = self.root_node, self.root_node, [], 0
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -269,20 +275,26 @@ class RadixCache:
             ends_inside = n < len(child.key)
             if ends_inside:
                 child = self._split_node(child, n)
-            assert child.value is not None
-            values.append(child.value)
+            if child.evicted:
+                host_len += len(child.host_value)
+            else:
+                assert host_len == 0, "a device node below a host-only node"
+                values.append(child.value)
+                last_device = child
             node, key = child, key[n:]
             if ends_inside:
                 break
         indices = torch.cat(values) if values else self._empty_indices()
-        return MatchResult(indices, node, node)
+        return MatchResult(indices, last_device, node, host_len)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Add `key` (token ids) with device slots `value` (integer `[len(key)]`).
 
-        Returns the length of the prefix that was already in the tree: the caller
-        still owns `value[:returned]` and must free it as duplicates; the tree now owns
-        the rest. Raises ValueError on a length mismatch or an unaligned length.
+        Returns the length of the *device* prefix that was already in the tree: the
+        caller still owns `value[:returned]` and must free it as duplicates; the tree now
+        owns the rest. Host-only nodes on the path (only a host tier has them) take the
+        caller's slots and so are backed up again (device + host copy). Raises ValueError
+        on a length mismatch or an unaligned length.
         """
         if self.disable:
             return 0
@@ -292,7 +304,7 @@ class RadixCache:
             raise ValueError(f"key length {len(key)} is not a multiple of page_size {self.page_size}")
 
         now = time.monotonic()
-        node, prefix_len = self.root_node, 0
+        node, prefix_len, revived, path = self.root_node, 0, False, []
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -301,18 +313,32 @@ class RadixCache:
             n = self._page_match_len(child.key, key)
             if n < len(child.key):
                 child = self._split_node(child, n)
-            prefix_len += n
+            if child.evicted:
+                child.value = value[:n].to(self.device, torch.int64, copy=True)
+                self._evictable_size += n
+                revived = True
+            else:
+                assert not revived, "a device node below a host-only node"
+                prefix_len += n
+            path.append(child)
             node, key, value = child, key[n:], value[n:]
 
         if key:
-            leaf = TreeNode()
+            leaf = self._new_node()
             leaf.parent = node
             leaf.key = list(key)
             leaf.value = value.to(self.device, torch.int64, copy=True)
             leaf.last_access_time = now
             node.children[self._child_key(key)] = leaf
             self._evictable_size += len(key)
+            path.append(leaf)
+        self._after_insert(path)
         return prefix_len
+
+    def _after_insert(self, path: list[TreeNode]) -> None:
+        """Called with every node on an inserted key's path, root side first (new leaf
+        last), once the tree holds the key: where a host tier counts hits and starts
+        backups."""
 
     # ---- request hooks ------------------------------------------------------------
 
