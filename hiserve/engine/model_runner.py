@@ -67,13 +67,13 @@ class ModelRunner:
         return bool(getattr(self.model_config, "kv_lora_rank", None))
 
     def _cell_size_bytes(self) -> int:
-        """Device KV bytes of one token across all layers."""
-        cfg, item = self.model_config, torch.empty((), dtype=self.dtype).element_size()
+        """Device KV bytes of one token across all layers (the pool classes own the formula)."""
+        cfg = self.model_config
         if self.is_mla:
-            per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        else:
-            per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
-        return per_layer * item * cfg.num_hidden_layers
+            return MLATokenToKVPool.cell_size_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                                    cfg.num_hidden_layers, self.dtype)
+        return MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim,
+                                                cfg.num_hidden_layers, self.dtype)
 
     def _profile_max_total_tokens(self, reserved_bytes: int) -> int:
         args = self.server_args

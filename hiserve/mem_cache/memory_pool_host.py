@@ -439,14 +439,16 @@ class MHATokenToKVPoolHost(HostKVCache):
     def staging_v(self) -> torch.Tensor | None:
         return self.staging_buffers[1] if self.staging_buffers else None
 
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
+    def backup_from_device_all_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
+                                     device_indices: torch.Tensor, io_backend: str) -> None:
         hicache.write_back_all_layer(
             device_pool.k_buffer, device_pool.v_buffer, self.kv_buffer, self.layout,
             device_indices=device_indices, host_indices=host_indices, page_size=self.page_size,
             io_backend=io_backend, staging_k=self.staging_k, staging_v=self.staging_v,
         )
 
-    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
+    def load_to_device_per_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
+                                 device_indices: torch.Tensor, layer_id: int, io_backend: str) -> None:
         self._check_layer_id(layer_id)
         hicache.load_back_one_layer(
             self.kv_buffer, device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id], self.layout, layer_id,
@@ -486,14 +488,16 @@ class MLATokenToKVPoolHost(HostKVCache):
     def staging(self) -> torch.Tensor | None:
         return self.staging_buffers[0] if self.staging_buffers else None
 
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
+    def backup_from_device_all_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
+                                     device_indices: torch.Tensor, io_backend: str) -> None:
         hicache.write_back_all_layer_mla(
             device_pool.kv_buffer, self.kv_buffer, self.layout,
             device_indices=device_indices, host_indices=host_indices, page_size=self.page_size,
             io_backend=io_backend, staging=self.staging,
         )
 
-    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
+    def load_to_device_per_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
+                                 device_indices: torch.Tensor, layer_id: int, io_backend: str) -> None:
         self._check_layer_id(layer_id)
         hicache.load_back_one_layer_mla(
             self.kv_buffer, device_pool.kv_buffer[layer_id], self.layout, layer_id,
