@@ -18,7 +18,15 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
-    """Computes attention for every layer of one forward pass."""
+    """Computes attention for every layer of one forward pass.
+
+    A backend that can be captured in a CUDA graph for DECODE sets
+    `supports_cuda_graph = True` and implements the three `*cuda_graph*` methods:
+    its per-batch metadata then lives in static buffers sized for `max_bs`
+    requests, filled outside the graph before each replay.
+    """
+
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -39,6 +47,33 @@ class AttentionBackend(ABC):
         With `save_kv_cache`, k/v are first written to the pool at
         `forward_batch.out_cache_loc`.
         """
+
+    # ------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static metadata buffers for DECODE batches of up to `max_bs` requests."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run under CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Point the metadata at the static buffers for a capture of batch size `bs`.
+
+        Args:
+            req_pool_indices: [bs] int64 static buffer (rows of `req_to_token`).
+            seq_lens: [bs] int64 static buffer (context length incl. the new token).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot run under CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int]
+    ) -> None:
+        """Refill the static metadata for the batch about to replay (padded to `bs`;
+        padded requests have seq_len `get_cuda_graph_seq_len_fill_value()`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run under CUDA graphs")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len given to padded requests of a replayed batch (they read slot 0, the padding page)."""
+        return 1
 
 
 class RadixAttention(nn.Module):
