@@ -132,7 +132,7 @@ class TritonAttnBackend(AttentionBackend):
         if not 1 <= bs <= self._graph_max_bs:
             raise ValueError(f"bs {bs} is outside 1..{self._graph_max_bs} (init_cuda_graph_state's max_bs)")
         for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens)):
-            if t.dim() != 1 or t.shape[0] < bs or t.device != self.device:
+            if t.dim() != 1 or t.shape[0] < bs or t.device.type != self.device.type:
                 raise ValueError(f"{name} must be a [>={bs}] buffer on {self.device}, "
                                  f"got {tuple(t.shape)} on {t.device}")
         inputs = (req_pool_indices[:bs], seq_lens[:bs])
