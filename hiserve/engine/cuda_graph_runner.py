@@ -64,8 +64,8 @@ class CudaGraphRunner:
             `token_to_kv_pool`, `max_running_requests`, `device`, and
             `server_args.cuda_graph_max_bs`.
     Raises:
-        ValueError: the device is not CUDA, the backend cannot be captured, or the
-            request table has no padding row.
+        ValueError: the device is not CUDA, the backend cannot be captured, the request
+            table has no padding row, or `cuda_graph_max_bs` is unset.
         RuntimeError: a capture failed (the message names the batch size).
     """
 
@@ -83,7 +83,9 @@ class CudaGraphRunner:
         if self.padding_row is None:
             raise ValueError("CUDA graphs need a ReqToTokenPool created with padding_row=True")
 
-        max_bs = model_runner.server_args.cuda_graph_max_bs or 160
+        max_bs = model_runner.server_args.cuda_graph_max_bs
+        if max_bs is None:
+            raise ValueError("--cuda-graph-max-bs is unset (ServerArgs.resolve() sets it on CUDA)")
         # Graphs larger than the most requests that can run together would never replay.
         self.max_bs = min(max_bs, model_runner.max_running_requests)
         self.capture_bs = capture_batch_sizes(self.max_bs)

@@ -7,6 +7,9 @@ and 3 again (padded to 1, 4, 24, 4: rows a larger batch used are padding again),
 steps each so every replay sees new lengths. Short prompts keep a wrong length or page
 visible in the logits.
 
+A last test starts a layer-by-layer load-back on another stream that is still running when
+a decode replays: the replay must wait for it.
+
 Skipped without CUDA; each backend is skipped where it cannot run (fa3: Hopper and
 flash_attn_interface; triton: its backend module and the triton package).
 """
@@ -162,3 +165,55 @@ def test_batch_larger_than_the_graphs_runs_eagerly(llama):
     fb = driver.decode({n: 5 for n in prompts})
     assert not runner.cuda_graph_runner.can_run(fb)
     assert runner.run_forward(fb).shape == (GRAPH_MAX_BS + 1, HF_CONFIG["vocab_size"])
+
+
+def test_replay_waits_for_an_in_flight_load_back(llama):
+    """A load-back still running on another stream when a decode replays: the graph holds no
+    per-layer waits, so the replay must wait for every layer first, or it reads stale K/V."""
+    from hiserve.mem_cache.cache_controller import LayerLoadingCounter
+
+    backend = "fa3" if skip_reason("fa3") is None else "triton"
+    if skip_reason(backend) is not None:
+        pytest.skip("neither fa3 nor triton can run here")
+    graphed, eager = make_runner(llama, backend, 1, graphs=True), make_runner(llama, backend, 1, graphs=False)
+    prompts = {"r0": list(range(3, 40)), "r1": [5, 6, 7], "r2": list(range(100, 120))}
+    drivers = {"graphed": Driver(graphed), "eager": Driver(eager)}
+    for name, runner in (("graphed", graphed), ("eager", eager)):
+        runner.run_forward(drivers[name].prefill(prompts))
+    torch.cuda.synchronize()
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    new_kv = {}  # (layer, "k"/"v") -> replacement K/V of r0's whole context
+
+    def slots(name: str) -> torch.Tensor:
+        driver, runner = drivers[name], {"graphed": graphed, "eager": eager}[name]
+        return runner.req_to_token_pool.req_to_token[driver.rows["r0"], :driver.lens["r0"]].long()
+
+    pool = eager.token_to_kv_pool
+    for layer in range(pool.layer_num):
+        for kind, bufs in (("k", pool.k_buffer), ("v", pool.v_buffer)):
+            shape = bufs[layer][slots("eager")].shape
+            new_kv[layer, kind] = torch.randn(shape, generator=gen, device="cuda").to(bufs[layer].dtype)
+            bufs[layer][slots("eager")] = new_kv[layer, kind]  # the eager runner gets it at once
+
+    target = graphed.token_to_kv_pool
+    counter = LayerLoadingCounter(target.layer_num, graphed.device)
+    target.register_layer_transfer_counter(counter)
+    events = counter.start_producer()
+    load_stream = torch.cuda.Stream()
+    load_stream.wait_stream(torch.cuda.current_stream())
+    dst = slots("graphed")
+    with torch.cuda.stream(load_stream):
+        torch.cuda._sleep(200_000_000)  # the load is still running when the replay is issued
+        for layer in range(target.layer_num):
+            target.k_buffer[layer][dst] = new_kv[layer, "k"]
+            target.v_buffer[layer][dst] = new_kv[layer, "v"]
+            events[layer].record(load_stream)
+
+    tokens = {"r0": 11, "r1": 12, "r2": 13}
+    fb_g, fb_e = drivers["graphed"].decode(tokens), drivers["eager"].decode(tokens)
+    assert graphed.cuda_graph_runner.can_run(fb_g)
+    out_g = graphed.run_forward(fb_g).clone()
+    out_e = eager.run_forward(fb_e)
+    torch.testing.assert_close(out_g, out_e, rtol=2e-2, atol=2e-2)
+    target.register_layer_transfer_counter(None)
