@@ -90,7 +90,7 @@ class FlashAttentionBackend(AttentionBackend):
             if reason is not None:
                 raise ValueError(f"fa3 ({_FLAGS}) cannot run here: {reason}; use triton")
             kernel = fa3_module().flash_attn_with_kvcache
-        self._fa3 = kernel
+        self._kernel = kernel
         pool = model_runner.token_to_kv_pool
         self.req_to_token: torch.Tensor = model_runner.req_to_token_pool.req_to_token
         self.page_size: int = pool.page_size
@@ -145,12 +145,12 @@ class FlashAttentionBackend(AttentionBackend):
         meta = self._meta
         assert meta is not None, "init_forward_metadata was not called for this batch"
         if decode:  # one query per request: the batch layout, no cu_seqlens
-            out = self._fa3(q=q.unsqueeze(1), k_cache=k_cache, v_cache=v_cache,
+            out = self._kernel(q=q.unsqueeze(1), k_cache=k_cache, v_cache=v_cache,
                             qv=None if qv is None else qv.unsqueeze(1),
                             cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
                             softmax_scale=scale, causal=True)
         else:
-            out = self._fa3(q=q, k_cache=k_cache, v_cache=v_cache, qv=qv,
+            out = self._kernel(q=q, k_cache=k_cache, v_cache=v_cache, qv=qv,
                             cache_seqlens=meta.cache_seqlens, page_table=meta.page_table,
                             cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                             softmax_scale=scale, causal=True)
