@@ -11,12 +11,18 @@ import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from hiserve.hardware import Platform
+    from hiserve.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-# triton and fa3 (issue "GPU serving") join this list when their backends exist.
-ATTENTION_BACKENDS = ("torch_native",)
+ATTENTION_BACKENDS = ("torch_native", "triton", "fa3")
+_GPU_ATTENTION_BACKENDS = ("triton", "fa3")
+_FA3_DTYPES = ("bfloat16", "float16")
+_CUDA_DEFAULT_CUDA_GRAPH_MAX_BS = 160
 HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -82,8 +88,24 @@ class ServerArgs:
         choices=("fcfs", "lpm"))
     disable_radix_cache: bool = _arg(False, "Disable prefix caching.")
     attention_backend: Optional[str] = _arg(
-        None, "Attention kernels. torch_native (CPU and CUDA) is the one implemented so far.",
+        None, "Attention kernels: torch_native (CPU and CUDA; the reference), triton (CUDA), fa3 "
+        "(FlashAttention-3, Hopper only; pip install tokenspeed-fa3). Default: fa3 on Hopper when "
+        "importable (for an MLA model: when its FA3 build has the MLA kernel), else triton on CUDA, "
+        "torch_native on CPU.",
         choices=ATTENTION_BACKENDS)
+    prefill_attention_backend: Optional[str] = _arg(
+        None, "Attention kernels of prefill (EXTEND) passes; default: --attention-backend.",
+        choices=ATTENTION_BACKENDS)
+    decode_attention_backend: Optional[str] = _arg(
+        None, "Attention kernels of decode passes; default: --attention-backend.",
+        choices=ATTENTION_BACKENDS)
+    cuda_graph_max_bs: Optional[int] = _arg(
+        None, "Largest decode batch replayed from a CUDA graph (graphs are captured for 1, 2, 4, 8, "
+        "then every 8 up to 128, then every 16); larger batches run eagerly. Default: 160 on CUDA "
+        "(capped at --max-running-requests).")
+    disable_cuda_graph: bool = _arg(
+        False, "Run decode eagerly instead of replaying CUDA graphs (CUDA only; graphs are never "
+        "used on the CPU, nor with a torch_native decode backend).")
     tp_size: int = _arg(1, "Tensor-parallel ranks (only 1 is implemented).")
 
     # Hierarchical cache
@@ -119,14 +141,15 @@ class ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     # ------------------------------------------------------------------ rules
-    def resolve(self) -> "ServerArgs":
+    def resolve(self, platform: Optional["Platform"] = None) -> "ServerArgs":
         """Fill derived defaults and apply cross-flag rules, logging each change.
 
+        Args:
+            platform: what the machine offers; default: `hardware.detect_platform()` (which
+                probes FA3's MLA kernel only for an MLA model on CUDA).
         Raises:
             ValueError: a flag value is out of range or a combination cannot run.
         """
-        import torch  # deferred: `--help` must not pay for importing torch
-
         from hiserve.models.loader import resolve_model_path
 
         self.model_path = resolve_model_path(self.model_path)
@@ -135,9 +158,12 @@ class ServerArgs:
         if self.served_model_name is None:
             self.served_model_name = self.model_path
 
+        self._model_config: Optional["ModelConfig"] = None
+        if platform is None:
+            platform = self._detect_platform()
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and not torch.cuda.is_available():
+            self.device = platform.device_type
+        if self.device == "cuda" and platform.device_type != "cuda":
             raise ValueError("--device cuda was given but no CUDA device is available")
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" or _cpu_has_bf16() else "float32"
@@ -158,8 +184,8 @@ class ServerArgs:
         if self.mem_fraction_static is None:
             self.mem_fraction_static = 0.85
 
-        if self.attention_backend is None:
-            self.attention_backend = "torch_native"
+        self._resolve_attention(platform)
+        self._resolve_cuda_graph()
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
@@ -174,6 +200,97 @@ class ServerArgs:
                 raise ValueError(f"--hicache-ratio must be > 1 (host pool larger than device pool), "
                                  f"got {self.hicache_ratio}")
         return self
+
+    # ------------------------------------------------------------------ attention + graphs
+    def _detect_platform(self) -> "Platform":
+        import torch  # deferred: `--help` must not pay for importing torch
+
+        from hiserve.hardware import Platform, detect_platform
+
+        if self.device == "cpu":  # asks nothing of a GPU, so do not initialise CUDA for it
+            return Platform("cpu")
+        mla_dims = None
+        if torch.cuda.is_available():
+            cfg = self.model_config()
+            if cfg.kv_lora_rank:
+                mla_dims = (int(cfg.qk_rope_head_dim or 0), int(cfg.kv_lora_rank))
+        return detect_platform(mla_dims)
+
+    def model_config(self) -> "ModelConfig":
+        """The model's config, read once (resolve() reads it only for CUDA rules)."""
+        if getattr(self, "_model_config", None) is None:
+            from hiserve.models.loader import load_model_config
+
+            self._model_config = load_model_config(self.model_path)
+        return self._model_config
+
+    def _fa3_blocker(self, platform: "Platform") -> Optional[str]:
+        """Why fa3 cannot run this model here, or None."""
+        if not platform.can_use_fa3:
+            return (f"FlashAttention-3 needs a Hopper GPU (compute capability 9.x) with flash_attn_interface "
+                    f"importable (pip install tokenspeed-fa3); this machine: {platform.describe()}")
+        if self.dtype not in _FA3_DTYPES:
+            return f"FlashAttention-3 runs bfloat16/float16, not --dtype {self.dtype}"
+        cfg = self.model_config()
+        if cfg.kv_lora_rank and not platform.fa3_mla:
+            return (f"the installed FlashAttention-3 has no MLA kernel (q/k head dim {cfg.qk_rope_head_dim} "
+                    f"with v head dim {cfg.kv_lora_rank} through qv; its build flags leave it out)")
+        return None
+
+    def _resolve_attention(self, platform: "Platform") -> None:
+        """Default --attention-backend per platform; check every backend flag can run here;
+        --prefill/--decode-attention-backend default to --attention-backend."""
+        if self.attention_backend is None:
+            if self.device != "cuda":
+                self.attention_backend, why = "torch_native", "CPU"
+            else:
+                blocker = self._fa3_blocker(platform)
+                if blocker is None:
+                    self.attention_backend, why = "fa3", f"Hopper GPU with FlashAttention-3 ({platform.describe()})"
+                else:
+                    self.attention_backend, why = "triton", f"CUDA, not fa3: {blocker}"
+            logger.info("--attention-backend not given -> %s (%s)", self.attention_backend, why)
+        flags = (("--attention-backend", self.attention_backend),
+                 ("--prefill-attention-backend", self.prefill_attention_backend),
+                 ("--decode-attention-backend", self.decode_attention_backend))
+        for flag, value in flags:
+            if value in _GPU_ATTENTION_BACKENDS and self.device != "cuda":
+                raise ValueError(f"{flag} {value} needs CUDA, but --device is {self.device}; "
+                                 f"use {flag} torch_native")
+            if value == "fa3":
+                blocker = self._fa3_blocker(platform)
+                if blocker is not None:
+                    raise ValueError(f"{flag} fa3 cannot run: {blocker}; use {flag} triton")
+        if self.prefill_attention_backend is None:
+            self.prefill_attention_backend = self.attention_backend
+        if self.decode_attention_backend is None:
+            self.decode_attention_backend = self.attention_backend
+        if self.prefill_attention_backend != self.decode_attention_backend:
+            logger.info("Attention backends: prefill %s, decode %s",
+                        self.prefill_attention_backend, self.decode_attention_backend)
+
+    def _resolve_cuda_graph(self) -> None:
+        """--cuda-graph-max-bs default, and the cases where decode cannot be captured."""
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.device != "cuda":
+            if not self.disable_cuda_graph:
+                self.disable_cuda_graph = True
+                logger.info("CUDA graphs off: --device %s", self.device)
+            return
+        if self.cuda_graph_max_bs is None:
+            self.cuda_graph_max_bs = _CUDA_DEFAULT_CUDA_GRAPH_MAX_BS
+        if self.disable_cuda_graph:
+            return
+        if self.decode_attention_backend == "torch_native":
+            self.disable_cuda_graph = True
+            logger.info("CUDA graphs off: --decode-attention-backend torch_native cannot be captured "
+                        "(its decode reads per-batch lengths on the host); use triton or fa3 for graphs")
+            return
+        if self.model_config().n_routed_experts:
+            self.disable_cuda_graph = True
+            logger.info("CUDA graphs off: the mixture-of-experts layer picks its experts on the host "
+                        "(hiserve/layers/moe.py), which a CUDA graph cannot capture")
 
 
 def _cpu_has_bf16() -> bool:

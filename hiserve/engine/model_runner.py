@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from hiserve.engine.sampler import Sampler, SamplingBatchInfo
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
+from hiserve.layers.attention.base import AttentionBackend
 from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
 from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hiserve.models.loader import load_model
+from hiserve.models.model_config import ModelConfig
 from hiserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from hiserve.engine.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +29,56 @@ _CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 _DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
-def create_attention_backend(name: str, runner: "ModelRunner") -> Any:
-    """Instantiate the backend named by --attention-backend."""
+def create_attention_backend(name: str, runner: "ModelRunner") -> AttentionBackend:
+    """Instantiate one backend by its flag value (torch_native, triton or fa3).
+
+    Raises:
+        ValueError: unknown name, or the backend cannot run this model here (its message says why).
+    """
     if name == "torch_native":
         from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 
         return TorchNativeAttnBackend(runner)
-    raise ValueError(f"unknown --attention-backend {name!r}")
+    if name == "triton":
+        from hiserve.layers.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(runner)
+    if name == "fa3":
+        from hiserve.layers.attention.flashattention_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend(runner)
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def create_attention_backends(server_args: ServerArgs, runner: "ModelRunner") -> AttentionBackend:
+    """The backend of every pass: one backend, or a hybrid when --prefill-attention-backend
+    and --decode-attention-backend differ (each defaults to --attention-backend)."""
+    prefill = server_args.prefill_attention_backend or server_args.attention_backend
+    decode = server_args.decode_attention_backend or server_args.attention_backend
+    if prefill == decode:
+        return create_attention_backend(prefill, runner)
+    from hiserve.layers.attention.hybrid_backend import HybridAttnBackend
+
+    logger.info("Attention: %s for prefill (EXTEND), %s for decode", prefill, decode)
+    return HybridAttnBackend(create_attention_backend(prefill, runner), create_attention_backend(decode, runner))
 
 
 class ModelRunner:
-    """Owns the weights, the device pools and the attention backend of one rank."""
+    """Owns the weights, the device pools, the attention backend and the CUDA graphs of one rank.
 
-    def __init__(self, server_args: ServerArgs):
+    Args:
+        server_args: resolved arguments.
+        model: an already built `(model, config)` on the device (tests); default: load
+            `server_args.model_path`.
+
+    Attributes:
+        attn_backend: the backend of every pass (a `HybridAttnBackend` when prefill and
+            decode backends differ).
+        cuda_graph_runner: the `CudaGraphRunner` replaying DECODE batches, or None (CPU,
+            --disable-cuda-graph, or a decode backend without CUDA-graph support).
+    """
+
+    def __init__(self, server_args: ServerArgs, model: tuple[nn.Module, ModelConfig] | None = None):
         self.server_args = server_args
         self.device = torch.device(server_args.device)
         self.dtype = _DTYPES[server_args.dtype]
@@ -44,7 +87,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-        self.model, self.model_config = load_model(server_args.model_path, self.dtype, self.device)
+        if model is None:
+            model = load_model(server_args.model_path, self.dtype, self.device)
+        self.model, self.model_config = model
         self.model.eval()
         if getattr(self.model, "pack_for_cpu", None) is not None and self.model.pack_for_cpu():
             logger.info("Linear weights prepacked for oneDNN (CPU, %s)", server_args.dtype)
@@ -58,8 +103,9 @@ class ModelRunner:
         self.init_memory_pool(reserved_bytes=self._hicache_staging_bytes())
         if server_args.enable_hierarchical_cache:
             self.init_host_pool()
-        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.attn_backend = create_attention_backends(server_args, self)
         self.sampler = Sampler()
+        self.cuda_graph_runner = self._create_cuda_graph_runner()
 
     # ------------------------------------------------------------------ memory
     @property
@@ -101,7 +147,9 @@ class ModelRunner:
             raise ValueError(f"--max-total-tokens {size} is too small for --page-size {self.page_size}")
         self.max_total_num_tokens = size
         self.max_running_requests = self.server_args.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 8, self.device)
+        # The padding row is the request row of the dummy requests padding a CUDA-graph batch.
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 8, self.device,
+                                                padding_row=True)
         if self.is_mla:
             self.token_to_kv_pool = MLATokenToKVPool(size, self.page_size, self.dtype, cfg.kv_lora_rank,
                                                      cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
@@ -139,10 +187,23 @@ class ModelRunner:
         self.host_pool = host_cls(self.token_to_kv_pool, args.hicache_ratio, args.hicache_size,
                                   self.page_size, args.hicache_mem_layout)
 
+    # ------------------------------------------------------------------ CUDA graphs
+    def _create_cuda_graph_runner(self) -> "CudaGraphRunner | None":
+        args = self.server_args
+        if self.device.type != "cuda" or args.disable_cuda_graph:
+            return None
+        if not self.attn_backend.supports_cuda_graph:
+            logger.info("CUDA graphs off: decode backend %s cannot be captured",
+                        args.decode_attention_backend or args.attention_backend)
+            return None
+        from hiserve.engine.cuda_graph_runner import CudaGraphRunner
+
+        return CudaGraphRunner(self)
+
     # ------------------------------------------------------------------ run
-    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Run the model on `batch`; returns next-token logits [B, vocab] float32."""
-        fb = ForwardBatch(
+    def make_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
+        """The model-side view of a scheduled batch (pools and backend attached)."""
+        return ForwardBatch(
             forward_mode=batch.forward_mode, batch_size=batch.batch_size, input_ids=batch.input_ids,
             positions=batch.positions, out_cache_loc=batch.out_cache_loc,
             req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
@@ -150,9 +211,20 @@ class ModelRunner:
             extend_prefix_lens_cpu=batch.extend_prefix_lens_cpu,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend)
+
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Run the model on `batch`; returns next-token logits [B, vocab] float32."""
+        return self.run_forward(self.make_forward_batch(batch))
+
+    def run_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] float32 of one pass: DECODE batches the CUDA-graph runner can take
+        are replayed (the result is then valid until the next replay), the rest run eagerly."""
         with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(fb)
-            return self.model.forward(fb)
+            runner = self.cuda_graph_runner
+            if runner is not None and runner.can_run(forward_batch):
+                return runner.replay(forward_batch)
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model.forward(forward_batch)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: set[int]) -> list[int]:
         """Pick one token per request; returns them as Python ints."""

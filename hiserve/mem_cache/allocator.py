@@ -31,18 +31,25 @@ class ReqToTokenPool:
     """Rows of the `req_to_token` table, one per running request.
 
     Attributes:
-        req_to_token: int32 `[size, max_context_len]` on `device`;
-            `req_to_token[row, pos]` is the KV slot of token `pos` of the request
-            that holds `row`. Entries past a request's length are stale.
+        req_to_token: int32 `[size, max_context_len]` on `device` (`[size + 1, ...]` with a
+            padding row); `req_to_token[row, pos]` is the KV slot of token `pos` of the
+            request that holds `row`. Entries past a request's length are stale.
+        padding_row: index of the padding row (`size`), or None. It is never handed out and
+            stays all zeros, i.e. every position maps to slot 0 of the padding page: the
+            row of the dummy requests that pad a CUDA-graph batch.
     """
 
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+    def __init__(
+        self, size: int, max_context_len: int, device: str | torch.device, padding_row: bool = False
+    ) -> None:
         if size <= 0 or max_context_len <= 0:
             raise ValueError(f"size and max_context_len must be > 0, got {size}, {max_context_len}")
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self.padding_row: int | None = size if padding_row else None
+        rows = size + 1 if padding_row else size
+        self.req_to_token = torch.zeros((rows, max_context_len), dtype=torch.int32, device=self.device)
         self.free_slots: list[int] = list(range(size))
 
     def alloc(self, n: int = 1) -> list[int] | None:

@@ -33,6 +33,21 @@ def test_req_to_token_pool_alloc_free():
     assert sorted(pool.alloc(4)) == [0, 1, 2, 3]
     pool.clear()
     assert pool.available_size() == 4
+    assert pool.padding_row is None
+
+
+def test_req_to_token_pool_padding_row_is_never_handed_out():
+    pool = ReqToTokenPool(size=3, max_context_len=8, device="cpu", padding_row=True)
+    assert pool.padding_row == 3
+    assert pool.req_to_token.shape == (4, 8)
+    assert pool.size == 3 and pool.available_size() == 3
+    assert pool.alloc(4) is None
+    rows = pool.alloc(3)
+    assert pool.padding_row not in rows
+    pool.free(rows)
+    pool.clear()
+    assert pool.padding_row not in pool.alloc(3)
+    assert not pool.req_to_token[pool.padding_row].any()  # every position maps to slot 0
 
 
 # ---- alloc / free --------------------------------------------------------------------

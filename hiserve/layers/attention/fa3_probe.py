@@ -1,0 +1,132 @@
+"""Can FlashAttention-3 run here, and which of its kernels were built?
+
+FA3 ships as the `flash_attn_interface` module (PyPI wheel `tokenspeed-fa3`, or a
+build from the flash-attention repo's `hopper/` folder). It runs only on Hopper
+(compute capability 9.x). A wheel may leave head-dim combinations out of its build;
+its `flash_attn_config.CONFIG["build_flags"]` says which. MLA in the absorbed form
+needs the pair (q/k head dim = qk_rope_head_dim, v head dim = kv_lora_rank) fed
+through `qv`, which is the combination `*_DISABLE_HDIMDIFF64` removes.
+
+Every probe is cached: the answers cannot change within a process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FA3_INSTALL_HINT = "pip install tokenspeed-fa3"
+# The build flag that removes the (64, 512)-style pairs MLA needs; both spellings have been used.
+_HDIMDIFF64_FLAGS = ("FLASH_ATTENTION_DISABLE_HDIMDIFF64", "FLASHATTENTION_DISABLE_HDIMDIFF64")
+
+
+@functools.lru_cache(maxsize=1)
+def _import_fa3() -> tuple[ModuleType | None, str | None]:
+    """(module, None) when `flash_attn_interface` imports, else (None, why)."""
+    try:
+        import flash_attn_interface
+    except Exception as e:  # noqa: BLE001 - ImportError, or OSError from a .so built for another torch/CUDA
+        return None, f"{type(e).__name__}: {e}"
+    return flash_attn_interface, None
+
+
+def fa3_module() -> ModuleType:
+    """The imported `flash_attn_interface` module.
+
+    Raises:
+        ImportError: it cannot be imported (the message says why and how to install it).
+    """
+    module, err = _import_fa3()
+    if module is None:
+        raise ImportError(f"flash_attn_interface cannot be imported ({err}); {FA3_INSTALL_HINT}")
+    return module
+
+
+def fa3_importable() -> bool:
+    """Whether `flash_attn_interface` imports (loads its CUDA extension; needs no GPU)."""
+    return _import_fa3()[0] is not None
+
+
+@functools.lru_cache(maxsize=1)
+def fa3_unavailable_reason() -> str | None:
+    """Why FA3 cannot run on this machine, or None when it can (CUDA, compute capability 9.x,
+    `flash_attn_interface` importable)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"compute capability {major}.{minor}; FlashAttention-3 needs Hopper (9.x)"
+    module, err = _import_fa3()
+    if module is None:
+        return f"flash_attn_interface cannot be imported ({err}); {FA3_INSTALL_HINT}"
+    return None
+
+
+def can_use_fa3() -> bool:
+    """CUDA, compute capability 9.x, and `flash_attn_interface` importable."""
+    return fa3_unavailable_reason() is None
+
+
+def fa3_build_flags() -> dict[str, Any]:
+    """The wheel's `flash_attn_config.CONFIG["build_flags"]` ({} when the wheel has none)."""
+    try:
+        from flash_attn_config import CONFIG
+    except ImportError:
+        return {}
+    return dict(CONFIG.get("build_flags", {}))
+
+
+@functools.lru_cache(maxsize=8)
+def fa3_supports_mla(qk_rope_head_dim: int = 64, kv_lora_rank: int = 512) -> bool:
+    """Whether this FA3 build runs absorbed MLA: q/k head dim `qk_rope_head_dim` with a `qv`
+    and v head dim of `kv_lora_rank` (DeepSeek: 64 and 512).
+
+    False without FA3 or when the build flags leave the pair out; otherwise a one-token
+    trial call decides (it initialises CUDA in the calling process). The answer is cached.
+    """
+    if not can_use_fa3():
+        return False
+    flags = fa3_build_flags()
+    disabled = [name for name in _HDIMDIFF64_FLAGS if flags.get(name)]
+    if disabled:
+        logger.info("FlashAttention-3 build has %s set: no MLA (head dims %d/%d through qv)",
+                    disabled[0], qk_rope_head_dim, kv_lora_rank)
+        return False
+    ok, why = _mla_trial_call(qk_rope_head_dim, kv_lora_rank)
+    if not ok:
+        logger.info("FlashAttention-3 MLA trial call (head dims %d/%d) failed: %s",
+                    qk_rope_head_dim, kv_lora_rank, why)
+    return ok
+
+
+def _mla_trial_call(rope: int, rank: int) -> tuple[bool, str]:
+    """One query against one cached token: the output must equal that token's value row."""
+    import torch
+
+    fa3 = fa3_module()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn((1, 1, 1, rope), generator=gen, device=dev).to(dt)
+    qv = torch.randn((1, 1, 1, rank), generator=gen, device=dev).to(dt)
+    k_cache = torch.randn((1, 1, 1, rope), generator=gen, device=dev).to(dt)
+    v_cache = torch.randn((1, 1, 1, rank), generator=gen, device=dev).to(dt)
+    try:
+        out = fa3.flash_attn_with_kvcache(
+            q=q, k_cache=k_cache, v_cache=v_cache, qv=qv,
+            cache_seqlens=torch.ones(1, dtype=torch.int32, device=dev),
+            page_table=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            softmax_scale=(rope + rank) ** -0.5, causal=True)
+        if isinstance(out, tuple):
+            out = out[0]
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError, AssertionError, TypeError) as e:
+        return False, f"{type(e).__name__}: {e}"
+    if not torch.equal(out.reshape(-1), v_cache.reshape(-1)):
+        return False, "wrong output (softmax over one key must return its value)"
+    return True, ""

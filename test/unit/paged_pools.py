@@ -1,0 +1,68 @@
+"""Test harness: device pools with requests whose pages are scattered over the pool, and the
+ForwardBatches a scheduler would build for them (used by the fa3 backend tests, CPU and CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+from hiserve.layers.forward_batch import ForwardBatch, ForwardMode
+from hiserve.mem_cache.allocator import ReqToTokenPool
+from hiserve.mem_cache.memory_pool import KVCache
+
+
+class Pools:
+    """`req_to_token_pool` (with a padding row) + `token_to_kv_pool`, and per-request pages
+    taken in a shuffled order: position j of a request lives at `page * P + j % P` of its
+    (j // P)-th page, the allocator's invariant. Pass it where a backend wants a model runner."""
+
+    def __init__(self, kv_pool: KVCache, max_reqs: int = 24, max_context: int = 2048, seed: int = 0):
+        self.page_size = kv_pool.page_size
+        self.device = kv_pool.device
+        self.token_to_kv_pool = kv_pool
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context, self.device, padding_row=True)
+        gen = torch.Generator().manual_seed(seed)
+        num_pages = kv_pool.size // self.page_size
+        self.free_pages = (torch.randperm(num_pages, generator=gen) + 1).tolist()  # page 0 is padding
+        self.rows: dict[str, int] = {}
+        self.pages: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def _slot(self, name: str, pos: int) -> int:
+        pages = self.pages[name]
+        while len(pages) <= pos // self.page_size:
+            pages.append(self.free_pages.pop())
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def batch(self, mode: ForwardMode, new_lens: dict[str, int], backend) -> ForwardBatch:
+        """Append `new_lens[name]` tokens to each named request (new names start empty)."""
+        out_cache_loc, positions, prefix, seq = [], [], [], []
+        for name, n in new_lens.items():
+            if name not in self.rows:
+                self.rows[name] = self.req_to_token_pool.alloc(1)[0]
+                self.pages[name], self.lens[name] = [], 0
+            p = self.lens[name]
+            slots = [self._slot(name, j) for j in range(p, p + n)]
+            self.req_to_token_pool.req_to_token[self.rows[name], p : p + n] = torch.tensor(slots, dtype=torch.int32)
+            out_cache_loc += slots
+            positions += range(p, p + n)
+            prefix.append(p)
+            seq.append(p + n)
+            self.lens[name] = p + n
+        dev, t = self.device, len(out_cache_loc)
+        return ForwardBatch(
+            forward_mode=mode, batch_size=len(new_lens), input_ids=torch.zeros(t, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor([self.rows[n] for n in new_lens], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev), seq_lens_cpu=seq,
+            extend_seq_lens_cpu=list(new_lens.values()), extend_prefix_lens_cpu=prefix,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=backend)
+
+
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
+    """Max abs error within `tol` of the reference's largest magnitude (for bf16 outputs)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    err = (out.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= tol * scale + 1e-3, f"max abs error {err:.4g} vs reference scale {scale:.4g}"
