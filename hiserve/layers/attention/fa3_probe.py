@@ -5,7 +5,7 @@ build from the flash-attention repo's `hopper/` folder). It runs only on Hopper
 (compute capability 9.x). A wheel may leave head-dim combinations out of its build;
 its `flash_attn_config.CONFIG["build_flags"]` says which. MLA in the absorbed form
 needs the pair (q/k head dim = qk_rope_head_dim, v head dim = kv_lora_rank) fed
-through `qv`, which is the combination `*_DISABLE_HDIMDIFF64` removes.
+through `qv`; a trial call, not the build flags, decides whether it runs.
 
 Every probe is cached: the answers cannot change within a process.
 """
@@ -87,17 +87,18 @@ def fa3_supports_mla(qk_rope_head_dim: int = 64, kv_lora_rank: int = 512) -> boo
     """Whether this FA3 build runs absorbed MLA: q/k head dim `qk_rope_head_dim` with a `qv`
     and v head dim of `kv_lora_rank` (DeepSeek: 64 and 512).
 
-    False without FA3 or when the build flags leave the pair out; otherwise a one-token
-    trial call decides (it initialises CUDA in the calling process). The answer is cached.
+    False without FA3; otherwise a one-token trial call decides (it initialises CUDA in the
+    calling process). The build flags are logged but not trusted: the `tokenspeed-fa3`
+    wheel (3.0.0.post20260810) sets `FLASH_ATTENTION_DISABLE_HDIMDIFF64` and still runs
+    the 64/512 `qv` pair on an H200 (seen 2026-11-30). The answer is cached.
     """
     if not can_use_fa3():
         return False
     flags = fa3_build_flags()
     disabled = [name for name in _HDIMDIFF64_FLAGS if flags.get(name)]
     if disabled:
-        logger.info("FlashAttention-3 build has %s set: no MLA (head dims %d/%d through qv)",
+        logger.info("FlashAttention-3 build has %s set; trying head dims %d/%d through qv anyway",
                     disabled[0], qk_rope_head_dim, kv_lora_rank)
-        return False
     ok, why = _mla_trial_call(qk_rope_head_dim, kv_lora_rank)
     if not ok:
         logger.info("FlashAttention-3 MLA trial call (head dims %d/%d) failed: %s",
