@@ -60,8 +60,8 @@ class Pools:
             attn_backend=backend)
 
 
-def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
-    """Max abs error within `tol` of the reference's largest magnitude (for bf16 outputs)."""
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) -> None:
+    """Max abs error within `tol` of the reference's largest magnitude (bf16: 2e-2 is ~2 ulps)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
     err = (out.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
