@@ -88,9 +88,10 @@ def fa3_supports_mla(qk_rope_head_dim: int = 64, kv_lora_rank: int = 512) -> boo
     and v head dim of `kv_lora_rank` (DeepSeek: 64 and 512).
 
     False without FA3; otherwise a one-token trial call decides (it initialises CUDA in the
-    calling process). The build flags are logged but not trusted: the `tokenspeed-fa3`
-    wheel (3.0.0.post20260810) sets `FLASH_ATTENTION_DISABLE_HDIMDIFF64` and still runs
-    the 64/512 `qv` pair on an H200 (seen 2026-11-30). The answer is cached.
+    calling process) and checks the values, not only that the call returns: the
+    `tokenspeed-fa3` wheel (3.0.0.post20260810) sets `FLASH_ATTENTION_DISABLE_HDIMDIFF64`,
+    yet the 64/512 `qv` call runs on an H200 and returns wrong values (seen 2026-11-30),
+    so this answers False there. The answer is cached.
     """
     if not can_use_fa3():
         return False
