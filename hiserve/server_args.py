@@ -51,6 +51,10 @@ class ServerArgs:
     device: str = _arg("auto", "Device to run on; 'auto' picks cuda when available.",
                        choices=("auto", "cpu", "cuda"))
     random_seed: int = _arg(42, "Seed of the server's random generators.")
+    load_format: str = _arg(
+        "auto", "How to get the weights: 'auto' reads them from --model-path; 'dummy' reads only its "
+        "config and generates seeded random weights (from --random-seed) on the device, for tests and "
+        "benchmarks (see hiserve.testing.dummy_model).", choices=("auto", "dummy"))
 
     # HTTP
     host: str = _arg("127.0.0.1", "HTTP host to bind.")

@@ -5,6 +5,11 @@ Two checkpoint formats:
   `gguf` library and renamed to HF names; llama.cpp's Q/K row permutation for
   the `llama` architecture is undone so the weights equal HF's.
 - an HF folder: `config.json` (+ `generation_config.json`) and `*.safetensors`.
+
+Load formats (`--load-format`): `auto` reads the weights of either format; `dummy` reads
+only the config (an HF folder's config.json, or a GGUF file's metadata) and fills the
+weights with seeded random values on the target device (`models/dummy_weights.py`), for
+tests and benchmarks at real shapes without a checkpoint (`hiserve.testing.dummy_model`).
 """
 
 from __future__ import annotations
@@ -255,15 +260,39 @@ def get_tokenizer(model_path: str):
 
 
 # ------------------------------------------------------------------ model
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
-    model_path: str | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_path: str | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    seed: int | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for the checkpoint's architecture and load its weights."""
+    """Build the model for the checkpoint's architecture and load its weights.
+
+    Args:
+        load_format: `auto` (weights from the checkpoint) or `dummy` (seeded random
+            weights generated on `device`; only the config is read).
+        seed: seed of the dummy weights; default `torch.initial_seed()`, i.e. the last
+            `torch.manual_seed` (the server's `--random-seed`).
+    Raises:
+        ValueError: unknown load format or architecture; a checkpoint tensor that does not fit.
+        FileNotFoundError: no model at `model_path`, or no weights in an HF folder (`auto`).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; expected one of {LOAD_FORMATS}")
     model_path = resolve_model_path(model_path)
     config = load_model_config(model_path)
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config, dtype)
-    model.load_weights(iter_weights(model_path, dtype))
+    if load_format == "dummy":
+        from hiserve.models.dummy_weights import init_dummy_weights
+
+        init_dummy_weights(model, torch.initial_seed() if seed is None else seed)
+    else:
+        model.load_weights(iter_weights(model_path, dtype))
     model.eval()
     return model, config
