@@ -11,7 +11,11 @@ sum to one, times `routed_scaling_factor`.
 
 `RoutedExperts` holds all experts' weights stacked, `gate_up_proj [E, 2*I, H]`
 (gate rows then up rows) and `down_proj [E, H, I]`, and runs each hit expert on the
-tokens routed to it.
+tokens routed to it. Finding the hit experts reads the routing back to the host, which a
+CUDA graph cannot capture; while a capture is in progress (decode under CUDA graphs) the
+experts instead run densely, every expert on every token with the routing weights as a
+dense `[T, E]` matrix (zero for experts a token did not pick): fixed shapes, no host
+sync, E/k times the expert FLOPs, which is cheap at decode batch sizes.
 """
 
 from __future__ import annotations
@@ -84,7 +88,25 @@ class RoutedExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights [T, k], ids [T, k] -> [T, H]."""
+        """x [T, H], weights [T, k] float32, ids [T, k] int64 -> [T, H] in x's dtype."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_dense(x, weights, ids)
+        return self.forward_sparse(x, weights, ids)
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the dense routing matrix; no host sync
+        (CUDA-graph capturable). Same arguments and result as `forward`."""
+        inter = self.intermediate_size
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)  # [T, E]
+        gate_up = torch.matmul(x.unsqueeze(0), self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
+        h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        y = torch.matmul(h, self.down_proj.transpose(1, 2))  # [E, T, H]
+        y = y * dense.t().unsqueeze(-1).to(x.dtype)
+        return y.sum(dim=0)
+
+    def forward_sparse(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each hit expert on its own tokens (reads the hit experts back to the host)."""
         out = torch.zeros_like(x)
         inter = self.intermediate_size
         for expert in ids.unique().tolist():
