@@ -291,10 +291,8 @@ class ServerArgs:
             logger.info("CUDA graphs off: --decode-attention-backend torch_native cannot be captured "
                         "(its decode reads per-batch lengths on the host); use triton or fa3 for graphs")
             return
-        if self.model_config().n_routed_experts:
-            self.disable_cuda_graph = True
-            logger.info("CUDA graphs off: the mixture-of-experts layer picks its experts on the host "
-                        "(hiserve/layers/moe.py), which a CUDA graph cannot capture")
+        # Mixture-of-experts layers need no rule: while a graph is captured they run densely,
+        # without reading the routing back to the host (hiserve/layers/moe.py).
 
 
 def _cpu_has_bf16() -> bool:
