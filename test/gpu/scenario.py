@@ -34,6 +34,7 @@ from serving_harness import (  # noqa: E402
     pools_free,
     run_concurrent,
     run_sequential,
+    server_settings,
     server_state,
     summarize,
 )
@@ -45,7 +46,7 @@ class Scenario:
 
     name: str
     model_path: str
-    backend: str
+    backend: str  # an --attention-backend value, or "auto": the server's own choice
     dtype: str
     page_size: int
     small_pool_tokens: int
@@ -77,6 +78,9 @@ class Scenario:
         if self.stress.working_set_tokens() <= self.small_pool_tokens:
             raise ValueError("the stress working set must exceed the device pool")
 
+    def backend_args(self) -> list[str]:
+        return [] if self.backend == "auto" else ["--attention-backend", self.backend]
+
     def common_args(self) -> list[str]:
         return ["--model-path", self.model_path, "--load-format", "dummy", "--dtype", self.dtype,
                 "--page-size", self.page_size, "--random-seed", 1, *self.extra_args]
@@ -95,10 +99,11 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
     t_all = time.perf_counter()
 
     # ---- A: hierarchical cache, small pool
-    args_a = [*s.common_args(), "--attention-backend", s.backend, "--max-total-tokens", s.small_pool_tokens,
+    args_a = [*s.common_args(), *s.backend_args(), "--max-total-tokens", s.small_pool_tokens,
               "--enable-hierarchical-cache", "--hicache-ratio", s.hicache_ratio, *s.hicache_args]
     proc, url, start_s = _start(args_a)
     try:
+        out["server_a_settings"] = server_settings(url)
         t0 = time.perf_counter()
         stress = run_concurrent(url, s.stress, s.concurrency)
         out["stress"] = {**summarize(stress), "wall_s": time.perf_counter() - t0, "server_start_s": start_s}
@@ -121,9 +126,10 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
     out["server_a_log"] = proc.log_path
 
     # ---- B: same backend, no hierarchical cache, a pool that never evicts
-    args_b = [*s.common_args(), "--attention-backend", s.backend, "--max-total-tokens", s.big_pool_tokens]
+    args_b = [*s.common_args(), *s.backend_args(), "--max-total-tokens", s.big_pool_tokens]
     proc, url, start_s = _start(args_b)
     try:
+        out["server_b_settings"] = server_settings(url)
         t0 = time.perf_counter()
         ident_b = run_sequential(url, s.identity)
         out["identity_no_hicache"] = {**summarize(ident_b), "wall_s": time.perf_counter() - t0,
@@ -137,6 +143,7 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
               s.big_pool_tokens, *s.reference_extra_args]
     proc, url, start_s = _start(args_c)
     try:
+        out["server_c_settings"] = server_settings(url)
         t0 = time.perf_counter()
         ident_c = run_sequential(url, s.identity)
         out["identity_reference"] = {**summarize(ident_c), "wall_s": time.perf_counter() - t0,
@@ -155,7 +162,9 @@ def format_summary(r: dict[str, Any]) -> str:
     """A few lines for the test log."""
     st, ident, agr = r["stress"], r["hicache_vs_no_hicache"], r["backend_vs_reference"]
     sc = r["scenario"]
-    return (f"[{sc['name']}] backend={sc['backend']} wall {r['wall_s']:.0f} s\n"
+    a = r.get("server_a_settings", {})
+    return (f"[{sc['name']}] backend={a.get('attention_backend')} (decode {a.get('decode_attention_backend')}, "
+            f"cuda graphs {'off' if a.get('disable_cuda_graph') else 'on'}) wall {r['wall_s']:.0f} s\n"
             f"  stress: {st['requests']} requests ({st['failed']} failed), {st['prompt_tokens']} prompt + "
             f"{st['output_tokens']} output tokens, cached {st['cached_tokens']} (host {st['cached_tokens_host']}, "
             f"{st['requests_with_host_hits']} requests with host hits), {st['wall_s']:.1f} s; "

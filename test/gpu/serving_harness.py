@@ -197,6 +197,17 @@ def server_state(base_url: str) -> dict[str, Any]:
     return httpx.get(base_url + "/get_server_info", timeout=60).json()["internal_states"][0]
 
 
+_SETTINGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend", "disable_cuda_graph",
+             "cuda_graph_max_bs", "enable_hierarchical_cache", "hicache_mem_layout", "hicache_io_backend",
+             "hicache_ratio", "page_size", "dtype", "device", "load_format", "max_total_num_tokens")
+
+
+def server_settings(base_url: str) -> dict[str, Any]:
+    """The resolved flags that matter here (what the server really runs, after its defaults)."""
+    info = httpx.get(base_url + "/get_server_info", timeout=60).json()
+    return {k: info.get(k) for k in _SETTINGS}
+
+
 def metric(base_url: str, name: str) -> float | None:
     """Sum of a Prometheus metric's samples, or None when not exported."""
     total, seen = 0.0, False

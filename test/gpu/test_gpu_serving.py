@@ -2,8 +2,10 @@
 
 Scenarios (see scenario.py for the three servers and runs of each):
 - `llama3-8b` and `deepseek-mla` (CUDA, marked `cuda`): bf16, the attention backend under
-  test (`HISERVE_GPU_BACKEND`, `HISERVE_GPU_MLA_BACKEND`, default fa3) with decode CUDA
-  graphs, hierarchical cache `page_first` + `kernel` IO, a 4096-token device pool;
+  test with decode CUDA graphs (`HISERVE_GPU_BACKEND`, default fa3, for Llama;
+  `HISERVE_GPU_MLA_BACKEND` for MLA, default `auto`: the server's choice, fa3 when the
+  installed FA3 has the MLA kernel, else triton; the backend used is in the summary),
+  hierarchical cache `page_first` + `kernel` IO, a 4096-token device pool;
   stress = 50 conversations x 10 turns (500 requests, prompts 256..832 tokens, 8 output
   tokens) at 16 in flight; identity = 12 conversations x 8 turns (96 requests, 16 output
   tokens) one at a time.
@@ -80,8 +82,11 @@ def make_scenario(name: str, folder: str) -> Scenario:
                         extra_args=["--device", "cpu"])
     path = write_dummy_model(folder, name)
     vocab = hf_config(name)["vocab_size"]
-    env = "HISERVE_GPU_MLA_BACKEND" if name == "deepseek-mla" else "HISERVE_GPU_BACKEND"
-    return Scenario(name=name, model_path=path, backend=os.environ.get(env, "fa3"), dtype="bfloat16",
+    if name == "deepseek-mla":
+        backend = os.environ.get("HISERVE_GPU_MLA_BACKEND", "auto")
+    else:
+        backend = os.environ.get("HISERVE_GPU_BACKEND", "fa3")
+    return Scenario(name=name, model_path=path, backend=backend, dtype="bfloat16",
                     page_size=16, small_pool_tokens=4096, big_pool_tokens=32768, hicache_ratio=8,
                     stress=Workload(**GPU_STRESS, vocab_size=vocab),
                     identity=Workload(**GPU_IDENTITY, vocab_size=vocab), concurrency=16,
