@@ -48,11 +48,16 @@ from serving_harness import Workload, write_results  # noqa: E402
 from hiserve.testing.dummy_model import hf_config, write_dummy_model  # noqa: E402
 
 # A correct bf16 backend differs from torch_native only where two logits are within rounding
-# of each other; on the dummy models a changed context (what a wrong page table, mask or
-# scale amounts to) changes the first token of ~100 % of requests (see the report of the
-# CPU calibration in benchmark/results/gpu_serving_tolerance_calibration.json).
-FIRST_TOKEN_AGREEMENT_MIN = 0.85
-PREFIX_FRACTION_MIN = 0.5
+# of each other; a broken one (wrong pages, mask or scale) amounts to a changed context.
+# Calibration on the CPU (benchmark/results/gpu_serving_tolerance_calibration.json: a
+# 32-layer dummy model with the Llama-3-8B vocabulary, 16 prompts, 8 greedy tokens):
+#   bf16 whole vs chunked prefill (reduction order only)  first token 0.875, prefix 0.73
+#   float32 vs bf16 (rounding everywhere)                 first token 1.000, prefix 0.89
+#   changed earlier context (what a broken kernel does)   first token 0.125, prefix 0.02
+# The thresholds sit between, with room for a kernel's different reduction order in every
+# decode step and for the sampling noise of ~100 requests.
+FIRST_TOKEN_AGREEMENT_MIN = 0.75
+PREFIX_FRACTION_MIN = 0.4
 
 GPU_STRESS = dict(num_conversations=50, num_turns=10, first_question_tokens=256, question_tokens=48,
                   reply_tokens=16, output_tokens=8)
