@@ -6,7 +6,8 @@
    - its log, /metrics and state; /flush_cache must leave device and host pools free;
    - identity: the identity workload one request at a time; flush and check again.
 2. Server B, same backend, no hierarchical cache, a device pool that never evicts: identity.
-3. Server C, the reference backend (torch_native), same pool as B: identity.
+3. Server C, the reference backend (torch_native), same pool as B: the reference workload
+   (the first conversations/turns of the identity workload; the reference backend is slow).
 
 `run_scenario` never asserts: it returns everything (as JSON-ready values) and the tests
 decide, so one failed aspect does not hide the others. Servers are started one at a time
@@ -55,6 +56,7 @@ class Scenario:
     stress: Workload
     identity: Workload
     concurrency: int
+    reference: Workload | None = None  # server C's workload (same prompts); None: the identity one
     reference_backend: str = "torch_native"
     hicache_args: list[str] = field(default_factory=lambda: [
         "--hicache-mem-layout", "page_first", "--hicache-io-backend", "kernel"])
@@ -145,7 +147,7 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
     try:
         out["server_c_settings"] = server_settings(url)
         t0 = time.perf_counter()
-        ident_c = run_sequential(url, s.identity)
+        ident_c = run_sequential(url, s.reference or s.identity)
         out["identity_reference"] = {**summarize(ident_c), "wall_s": time.perf_counter() - t0,
                                      "server_start_s": start_s}
     finally:

@@ -61,8 +61,11 @@ PREFIX_FRACTION_MIN = 0.4
 
 GPU_STRESS = dict(num_conversations=50, num_turns=10, first_question_tokens=256, question_tokens=48,
                   reply_tokens=16, output_tokens=8)
-GPU_IDENTITY = dict(num_conversations=12, num_turns=8, first_question_tokens=256, question_tokens=48,
+# The identity run is the 500 multi-turn requests, one at a time; torch_native (eager,
+# slow) answers the first 12 conversations x 8 turns of it (the same prompts).
+GPU_IDENTITY = dict(num_conversations=50, num_turns=10, first_question_tokens=256, question_tokens=48,
                     reply_tokens=16, output_tokens=16)
+GPU_REFERENCE = dict(GPU_IDENTITY, num_conversations=12, num_turns=8)
 CPU_STRESS = dict(num_conversations=6, num_turns=4, first_question_tokens=64, question_tokens=24,
                   reply_tokens=8, output_tokens=4)
 CPU_IDENTITY = dict(num_conversations=4, num_turns=4, first_question_tokens=64, question_tokens=24,
@@ -92,9 +95,10 @@ def make_scenario(name: str, folder: str) -> Scenario:
     else:
         backend = os.environ.get("HISERVE_GPU_BACKEND", "fa3")
     return Scenario(name=name, model_path=path, backend=backend, dtype="bfloat16",
-                    page_size=16, small_pool_tokens=4096, big_pool_tokens=32768, hicache_ratio=8,
+                    page_size=16, small_pool_tokens=4096, big_pool_tokens=98304, hicache_ratio=24,
                     stress=Workload(**GPU_STRESS, vocab_size=vocab),
-                    identity=Workload(**GPU_IDENTITY, vocab_size=vocab), concurrency=16,
+                    identity=Workload(**GPU_IDENTITY, vocab_size=vocab),
+                    reference=Workload(**GPU_REFERENCE, vocab_size=vocab), concurrency=16,
                     extra_args=["--device", "cuda",
                                 *shlex.split(os.environ.get("HISERVE_GPU_SERVER_EXTRA", "--cuda-graph-max-bs 16"))],
                     reference_extra_args=shlex.split(os.environ.get("HISERVE_GPU_REFERENCE_EXTRA",
