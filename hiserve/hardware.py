@@ -18,16 +18,19 @@ class Platform:
         compute_capability: (major, minor) of CUDA device 0; None on the CPU.
         fa3_importable: `flash_attn_interface` imports.
         fa3_mla: the FA3 build runs absorbed MLA for the model's head dims (False when not
-            probed: only an MLA model on Hopper is).
+            probed: only an MLA model on Hopper is, and only when fa3 may be chosen).
+        triton_importable: `triton` imports (the `triton` backend's kernels).
     """
 
     device_type: str
     compute_capability: tuple[int, int] | None = None
     fa3_importable: bool = False
     fa3_mla: bool = False
+    triton_importable: bool = True
 
     @property
     def is_hopper(self) -> bool:
+        """Compute capability 9.x (H100, H200)."""
         return self.compute_capability is not None and self.compute_capability[0] == 9
 
     @property
@@ -36,6 +39,7 @@ class Platform:
         return self.device_type == "cuda" and self.is_hopper and self.fa3_importable
 
     def describe(self) -> str:
+        """One line for logs and error messages."""
         if self.device_type != "cuda":
             return "CPU only"
         cc = "?" if self.compute_capability is None else "%d.%d" % self.compute_capability
@@ -44,7 +48,7 @@ class Platform:
 
 
 def detect_platform(mla_head_dims: tuple[int, int] | None = None) -> Platform:
-    """Probe this machine.
+    """Probe this machine; returns its `Platform` (CPU-only when no CUDA device is visible).
 
     Args:
         mla_head_dims: (qk_rope_head_dim, kv_lora_rank) of an MLA model, to probe FA3's MLA
@@ -61,4 +65,7 @@ def detect_platform(mla_head_dims: tuple[int, int] | None = None) -> Platform:
     mla = False
     if mla_head_dims is not None and capability[0] == 9 and importable:
         mla = fa3_supports_mla(*mla_head_dims)
-    return Platform("cuda", (int(capability[0]), int(capability[1])), importable, mla)
+    import importlib.util
+
+    triton = importlib.util.find_spec("triton") is not None
+    return Platform("cuda", (int(capability[0]), int(capability[1])), importable, mla, triton)

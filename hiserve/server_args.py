@@ -214,7 +214,10 @@ class ServerArgs:
         if self.device == "cpu":  # asks nothing of a GPU, so do not initialise CUDA for it
             return Platform("cpu")
         mla_dims = None
-        if torch.cuda.is_available():
+        fa3_wanted = self.attention_backend is None or "fa3" in (
+            self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend)
+        if torch.cuda.is_available() and fa3_wanted:
+            # The MLA trial call runs a kernel in this (API) process: only when fa3 may be chosen.
             cfg = self.model_config()
             if cfg.kv_lora_rank:
                 mla_dims = (int(cfg.qk_rope_head_dim or 0), int(cfg.kv_lora_rank))
@@ -237,8 +240,8 @@ class ServerArgs:
             return f"FlashAttention-3 runs bfloat16/float16, not --dtype {self.dtype}"
         cfg = self.model_config()
         if cfg.kv_lora_rank and not platform.fa3_mla:
-            return (f"the installed FlashAttention-3 has no MLA kernel (q/k head dim {cfg.qk_rope_head_dim} "
-                    f"with v head dim {cfg.kv_lora_rank} through qv; its build flags leave it out)")
+            return (f"the installed FlashAttention-3 fails its MLA trial (q/k head dim {cfg.qk_rope_head_dim} "
+                    f"with v head dim {cfg.kv_lora_rank} through qv)")
         return None
 
     def _resolve_attention(self, platform: "Platform") -> None:
@@ -251,8 +254,11 @@ class ServerArgs:
                 blocker = self._fa3_blocker(platform)
                 if blocker is None:
                     self.attention_backend, why = "fa3", f"Hopper GPU with FlashAttention-3 ({platform.describe()})"
-                else:
+                elif platform.triton_importable:
                     self.attention_backend, why = "triton", f"CUDA, not fa3: {blocker}"
+                else:
+                    raise ValueError(f"no GPU attention backend can run: fa3: {blocker}; triton does not "
+                                     f"import (pip install triton); pass --attention-backend torch_native")
             logger.info("--attention-backend not given -> %s (%s)", self.attention_backend, why)
         flags = (("--attention-backend", self.attention_backend),
                  ("--prefill-attention-backend", self.prefill_attention_backend),
@@ -261,6 +267,8 @@ class ServerArgs:
             if value in _GPU_ATTENTION_BACKENDS and self.device != "cuda":
                 raise ValueError(f"{flag} {value} needs CUDA, but --device is {self.device}; "
                                  f"use {flag} torch_native")
+            if value == "triton" and not platform.triton_importable:
+                raise ValueError(f"{flag} triton: triton does not import here (pip install triton)")
             if value == "fa3":
                 blocker = self._fa3_blocker(platform)
                 if blocker is not None:

@@ -28,11 +28,14 @@ import bisect
 import contextlib
 import logging
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from hiserve.layers.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from hiserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class CudaGraphRunner:
         RuntimeError: a capture failed (the message names the batch size).
     """
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: "ModelRunner") -> None:
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -88,6 +91,9 @@ class CudaGraphRunner:
             raise ValueError("--cuda-graph-max-bs is unset (ServerArgs.resolve() sets it on CUDA)")
         # Graphs larger than the most requests that can run together would never replay.
         self.max_bs = min(max_bs, model_runner.max_running_requests)
+        if self.max_bs < max_bs:
+            logger.info("CUDA graphs up to batch %d, not --cuda-graph-max-bs %d: at most %d requests "
+                        "run together (--max-running-requests)", self.max_bs, max_bs, self.max_bs)
         self.capture_bs = capture_batch_sizes(self.max_bs)
         self.fill_seq_len = self.attn_backend.get_cuda_graph_seq_len_fill_value()
 

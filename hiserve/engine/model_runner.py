@@ -50,7 +50,7 @@ def create_attention_backend(name: str, runner: "ModelRunner") -> AttentionBacke
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-def create_attention_backends(server_args: ServerArgs, runner: "ModelRunner") -> AttentionBackend:
+def create_pass_attention_backend(server_args: ServerArgs, runner: "ModelRunner") -> AttentionBackend:
     """The backend of every pass: one backend, or a hybrid when --prefill-attention-backend
     and --decode-attention-backend differ (each defaults to --attention-backend)."""
     prefill = server_args.prefill_attention_backend or server_args.attention_backend
@@ -103,7 +103,7 @@ class ModelRunner:
         self.init_memory_pool(reserved_bytes=self._hicache_staging_bytes())
         if server_args.enable_hierarchical_cache:
             self.init_host_pool()
-        self.attn_backend = create_attention_backends(server_args, self)
+        self.attn_backend = create_pass_attention_backend(server_args, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = self._create_cuda_graph_runner()
 
@@ -213,7 +213,8 @@ class ModelRunner:
             attn_backend=self.attn_backend)
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Run the model on `batch`; returns next-token logits [B, vocab] float32."""
+        """Run the model on `batch`; returns next-token logits [B, vocab] float32 (after a graph
+        replay, a view valid until the next replay: sample before running another pass)."""
         return self.run_forward(self.make_forward_batch(batch))
 
     def run_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:

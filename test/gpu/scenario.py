@@ -5,7 +5,8 @@
    - stress: the stress workload, `concurrency` requests in flight;
    - its log, /metrics and state; /flush_cache must leave device and host pools free;
    - identity: the identity workload one request at a time; flush and check again.
-2. Server B, same backend, no hierarchical cache, a device pool that never evicts: identity.
+2. Server B, same backend, no hierarchical cache, a device pool that never evicts: identity,
+   then the decode-vs-extend check on the reference workload's requests.
 3. Server C, the reference backend (torch_native), same pool as B: the reference workload
    (the first conversations/turns of the identity workload; the reference backend is slow).
 
@@ -28,6 +29,7 @@ from server import kill, popen_launch_server  # noqa: E402
 from serving_harness import (  # noqa: E402
     Workload,
     agreement,
+    decode_vs_extend,
     flush_and_state,
     identical,
     log_errors,
@@ -136,6 +138,9 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
         ident_b = run_sequential(url, s.identity)
         out["identity_no_hicache"] = {**summarize(ident_b), "wall_s": time.perf_counter() - t0,
                                       "server_start_s": start_s}
+        ref = s.reference or s.identity
+        keys = [(c, t) for t in range(ref.num_turns) for c in range(ref.num_conversations)]
+        out["decode_vs_extend"] = decode_vs_extend(url, s.identity, ident_b, keys)
     finally:
         kill(proc)
     out["server_b_log_errors"] = log_errors(proc.log_path)
@@ -175,5 +180,7 @@ def format_summary(r: dict[str, Any]) -> str:
             f"host-hit requests {r['identity_hicache']['requests_with_host_hits']}\n"
             f"  vs {sc['reference_backend']}: first-token agreement {agr['first_token_agreement']:.3f}, "
             f"mean prefix fraction {agr['mean_prefix_fraction']:.3f} over {agr['requests']} requests\n"
+            f"  decode vs extend (teacher-forced last token): {r['decode_vs_extend']['agreement']:.3f} "
+            f"over {r['decode_vs_extend']['requests']} requests\n"
             f"  log errors A/B/C: {len(r['server_a_log_errors'])}/{len(r['server_b_log_errors'])}/"
             f"{len(r['server_c_log_errors'])}")

@@ -118,6 +118,33 @@ def run_sequential(base_url: str, w: Workload, timeout_s: float = 600.0) -> dict
     return results
 
 
+def decode_vs_extend(base_url: str, w: Workload, decoded: dict[Key, Result], keys: list[Key],
+                     timeout_s: float = 600.0) -> dict[str, Any]:
+    """Teacher-forced check of the decode path against the extend path of the same server.
+
+    For each key, the prompt plus all but the last decoded token is sent again with
+    max_new_tokens 1: the extend kernels now compute the position the decode kernels
+    produced last, over the same context, so the token must come back unless the two paths
+    round to a near tie differently. A broken decode step (e.g. past a page boundary) makes
+    them disagree on most requests.
+    """
+    same, total, errors = 0, 0, []
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        for key in keys:
+            r = decoded.get(key)
+            if r is None or not r.ok:
+                continue
+            body = {"input_ids": w.prompt(*key) + r.output_ids[:-1],
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
+            resp = client.post("/generate", json=body)
+            total += 1
+            if resp.status_code != 200:
+                errors.append(f"{key}: HTTP {resp.status_code}")
+                continue
+            same += list(resp.json().get("output_ids") or [None])[-1:] == r.output_ids[-1:]
+    return {"requests": total, "agreement": same / total if total else 0.0, "errors": errors[:5]}
+
+
 def run_concurrent(base_url: str, w: Workload, concurrency: int, timeout_s: float = 600.0) -> dict[Key, Result]:
     """Every conversation runs its turns in order (closed loop), at most `concurrency`
     requests in flight over all conversations. A failed turn does not stop its conversation

@@ -58,6 +58,10 @@ from hiserve.testing.dummy_model import hf_config, write_dummy_model  # noqa: E4
 # decode step and for the sampling noise of ~100 requests.
 FIRST_TOKEN_AGREEMENT_MIN = 0.75
 PREFIX_FRACTION_MIN = 0.4
+# Decode vs extend on the same server, teacher-forced (serving_harness.decode_vs_extend): bf16
+# near ties flip ~1 in 8 tokens on the dummy models (whole vs chunked prefill above), a broken
+# decode step most of them.
+DECODE_VS_EXTEND_MIN = 0.6
 
 GPU_STRESS = dict(num_conversations=50, num_turns=10, first_question_tokens=256, question_tokens=48,
                   reply_tokens=16, output_tokens=8)
@@ -111,7 +115,7 @@ def result(request, tmp_path_factory) -> dict:
     scenario = make_scenario(name, str(tmp_path_factory.mktemp(name.replace("-", "_"))))
     r = run_scenario(scenario)
     r["tolerance"] = {"first_token_agreement_min": FIRST_TOKEN_AGREEMENT_MIN,
-                      "prefix_fraction_min": PREFIX_FRACTION_MIN}
+                      "prefix_fraction_min": PREFIX_FRACTION_MIN, "decode_vs_extend_min": DECODE_VS_EXTEND_MIN}
     print("\n" + format_summary(r))
     written = write_results(f"gpu_serving_{name}", r)
     if written:
@@ -159,3 +163,9 @@ def test_within_tolerance_of_torch_native(result):
     agr = result["backend_vs_reference"]
     assert agr["first_token_agreement"] >= FIRST_TOKEN_AGREEMENT_MIN, agr
     assert agr["mean_prefix_fraction"] >= PREFIX_FRACTION_MIN, agr
+
+
+def test_decode_agrees_with_extend_teacher_forced(result):
+    dve = result["decode_vs_extend"]
+    assert dve["requests"] > 0 and not dve["errors"], dve
+    assert dve["agreement"] >= DECODE_VS_EXTEND_MIN, dve

@@ -21,6 +21,7 @@ HOPPER_FA3 = Platform("cuda", (9, 0), fa3_importable=True, fa3_mla=False)
 HOPPER_FA3_MLA = Platform("cuda", (9, 0), fa3_importable=True, fa3_mla=True)
 HOPPER_NO_FA3 = Platform("cuda", (9, 0), fa3_importable=False)
 AMPERE = Platform("cuda", (8, 0), fa3_importable=True)
+AMPERE_NO_TRITON = Platform("cuda", (8, 0), fa3_importable=False, triton_importable=False)
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000}
@@ -128,13 +129,21 @@ def test_gpu_backend_on_cpu_raises(llama, flag, backend):
     (AMPERE, "llama", {}, "Hopper"),
     (HOPPER_NO_FA3, "llama", {}, "Hopper"),
     (HOPPER_FA3, "llama", {"dtype": "float32"}, "float32"),
-    (HOPPER_FA3, "mla", {}, "no MLA kernel"),
+    (HOPPER_FA3, "mla", {}, "fails its MLA trial"),
 ])
 @pytest.mark.parametrize("flag", ["--attention-backend", "--decode-attention-backend"])
 def test_explicit_fa3_that_cannot_run_raises(request, platform, model, kwargs, reason, flag):
     field = flag[2:].replace("-", "_")
     with pytest.raises(ValueError, match=f"{flag} fa3 cannot run: .*{reason}.*use {flag} triton"):
         resolve(platform, request.getfixturevalue(model), **{field: "fa3"}, **kwargs)
+
+
+def test_triton_that_cannot_import_raises(llama):
+    with pytest.raises(ValueError, match="--attention-backend triton: triton does not import"):
+        resolve(AMPERE_NO_TRITON, llama, attention_backend="triton")
+    # No default can run: say so and name the flag that still works, never pick one silently.
+    with pytest.raises(ValueError, match="pass --attention-backend torch_native"):
+        resolve(AMPERE_NO_TRITON, llama)
 
 
 def test_device_cuda_without_cuda_raises(llama):

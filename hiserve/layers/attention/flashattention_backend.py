@@ -40,8 +40,7 @@ from hiserve.layers.attention.fa3_probe import (  # noqa: F401 - re-exported for
     fa3_supports_mla,
     fa3_unavailable_reason,
 )
-from hiserve.layers.attention.mla import MLAAttention, absorb_out, absorb_q
-from hiserve.layers.attention.torch_native_mla import save_mla_kv
+from hiserve.layers.attention.mla import MLAAttention, absorb_out, absorb_q, save_mla_kv
 from hiserve.layers.forward_batch import ForwardBatch
 
 _FLAGS = "--attention-backend / --prefill-attention-backend / --decode-attention-backend"

@@ -23,22 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hiserve.layers.attention.mla import MLAAttention, absorb_out, absorb_q
+from hiserve.layers.attention.mla import MLAAttention, absorb_out, absorb_q, save_mla_kv
 from hiserve.layers.forward_batch import ForwardBatch
-
-
-def save_mla_kv(layer: MLAAttention, forward_batch: ForwardBatch, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
-    """Write the new tokens' rows `[latent | k_rope]` at `forward_batch.out_cache_loc`."""
-    pool = forward_batch.token_to_kv_pool
-    if not hasattr(pool, "set_mla_kv_buffer"):
-        raise TypeError(f"MLA attention needs an MLA KV pool (MLATokenToKVPool), got {type(pool).__name__}")
-    t = latent.shape[0]
-    pool.set_mla_kv_buffer(
-        layer.layer_id,
-        forward_batch.out_cache_loc,
-        latent.view(t, 1, layer.kv_lora_rank),
-        k_rope.view(t, 1, layer.qk_rope_head_dim),
-    )
 
 
 def forward_mla(
