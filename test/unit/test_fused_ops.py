@@ -23,7 +23,7 @@ from hiserve.layers.triton_ops.rmsnorm import fused_add_rmsnorm, rmsnorm
 from hiserve.layers.triton_ops.rotary import rotary_embedding
 
 FP32_TOL = dict(atol=2e-5, rtol=2e-5)
-BF16_TOL = dict(atol=1e-2, rtol=1e-2)  # one bf16 ulp of fp32-noise-level disagreement
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # a bf16 ulp or two: fp32 noise can flip a rounding; bugs are O(1)
 cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -299,6 +299,7 @@ def test_model_logits_fused_vs_torch(name, dtype):
         with _dispatch(True):
             got = prefill_then_decode(model, config, dtype, DEVICE)
     else:
+        assert triton_ops.use_triton(torch.ones(1, device=DEVICE)), "fused ops disabled (HISERVE_FUSED_OPS=0?)"
         got = prefill_then_decode(model, config, dtype, DEVICE)
     assert want.shape == (4, config.vocab_size) and torch.isfinite(want).all()
     if dtype == torch.float32:
