@@ -6,10 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hiserve.layers import triton_ops
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The torch form (CPU path, and the reference of the fused kernel)."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
 
 class SiluAndMul(nn.Module):
-    """[T, 2*I] (gate | up) -> silu(gate) * up, [T, I]."""
+    """[T, 2*I] (gate | up) -> silu(gate) * up, [T, I]; one Triton kernel on CUDA."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return F.silu(x[..., :half]) * x[..., half:]
+        if triton_ops.use_triton(x):
+            from hiserve.layers.triton_ops.activation import silu_and_mul
+
+            return silu_and_mul(x)
+        return silu_and_mul_reference(x)

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from hiserve.layers import triton_ops
+
 
 def compute_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     """Per-pair inverse frequencies [rotary_dim // 2], float32, scaling applied."""
@@ -48,6 +50,20 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
 
 
+def rotary_reference(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary_dim: int) -> torch.Tensor:
+    """The torch form of `RotaryEmbedding.apply` (CPU path, and the fused kernel's reference):
+    x [T, heads, head_dim], cos/sin [T, 1, rotary_dim // 2] float32 -> rotated copy, x's dtype."""
+    cos, sin = cos_sin
+    half = rotary_dim // 2
+    xf = x.float()
+    x1 = xf[..., :half]
+    x2 = xf[..., half:rotary_dim]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rotary_dim < x.shape[-1]:
+        parts.append(xf[..., rotary_dim:])
+    return torch.cat(parts, dim=-1).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds a [max_position, rotary_dim] float32 cache: cos in the first half, sin in the second.
 
@@ -79,16 +95,15 @@ class RotaryEmbedding(nn.Module):
         return cs[..., :half], cs[..., half:]
 
     def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, heads, head_dim] (any dtype) -> rotated copy, same dtype/shape."""
-        cos, sin = cos_sin
-        half = self.rotary_dim // 2
-        xf = x.float()
-        x1 = xf[..., :half]
-        x2 = xf[..., half : self.rotary_dim]
-        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-        if self.rotary_dim < self.head_dim:
-            parts.append(xf[..., self.rotary_dim :])
-        return torch.cat(parts, dim=-1).to(x.dtype)
+        """x [T, heads, head_dim] (any dtype) -> rotated copy, same dtype/shape.
+
+        On CUDA one Triton kernel for all heads (q and k together when the caller passes
+        them as one view); elsewhere `rotary_reference`."""
+        if triton_ops.use_triton(x):
+            from hiserve.layers.triton_ops.rotary import rotary_embedding
+
+            return rotary_embedding(x, cos_sin[0], cos_sin[1], self.rotary_dim)
+        return rotary_reference(x, cos_sin, self.rotary_dim)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

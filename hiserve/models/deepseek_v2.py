@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hiserve.layers import triton_ops
 from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.mla import MLAAttention
 from hiserve.layers.decoder_layer import PreNormDecoderLayer
@@ -108,7 +109,11 @@ class DeepseekRotaryEmbedding(nn.Module):
         return cs[..., : self.rotary_dim // 2], cs[..., self.rotary_dim // 2 :]
 
     def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, heads, rotary_dim] -> rotated copy, same dtype and layout."""
+        """x [T, heads, rotary_dim] -> rotated copy, same dtype and layout (one Triton kernel on CUDA)."""
+        if triton_ops.use_triton(x):
+            from hiserve.layers.triton_ops.rotary import rotary_embedding
+
+            return rotary_embedding(x, cos_sin[0], cos_sin[1], self.rotary_dim, interleaved=self.interleaved)
         cos, sin = cos_sin
         xf = x.float()
         if self.interleaved:

@@ -1,7 +1,7 @@
 """Triton attention backend against the torch_native oracle, with real pools.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1
-is set below, before any kernel module is imported); on a CUDA machine the same tests
+is set by triton_interpret.py, imported before any kernel module); on a CUDA machine the same tests
 compile the kernels and run in float32 on the GPU, and the `cuda`-marked tests add bf16
 runs at model shapes (Llama-3-8B, DeepSeek MLA 512 + 64) and a real CUDA-graph
 capture/replay.
@@ -14,77 +14,27 @@ CUDA-graph metadata path with a padded batch, and argument checks.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
+from triton_interpret import DEVICE, INTERPRET  # sets TRITON_INTERPRET before triton loads
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-
-from hiserve.layers.attention import torch_native_mla  # noqa: E402
-from hiserve.layers.attention.base import RadixAttention  # noqa: E402
-from hiserve.layers.attention.mla import MLAAttention  # noqa: E402
-from hiserve.layers.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
-from hiserve.layers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from hiserve.mem_cache.allocator import ReqToTokenPool  # noqa: E402
-from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-DEVICE = "cpu" if INTERPRET else "cuda"
-FP32_TOL = dict(atol=2e-5, rtol=2e-5)
-BF16_REL_ERR = 1.5e-2  # ||got - want|| / ||want|| against a float32 oracle over the same bf16 pool
-
-
-# ------------------------------------------------- interpreter compatibility
-@triton.jit
-def _runtime_bound_loop(Bound, Out):
-    n = tl.load(Bound)
-    acc = 0
-    for i in range(0, n, 2):
-        acc += i
-    tl.store(Out, acc)
-
-
-def _fix_interpreter_runtime_loop_bounds() -> None:
-    """Triton 3.6's interpreter turns a kernel scalar used as a `range` bound into a Python
-    int with `int(ndarray)` on a 1-element array, which NumPy >= 2.4 refuses
-    (triton-lang/triton#9171). Patch that one conversion, only when a probe shows the bug."""
-    out = torch.zeros(1, dtype=torch.int64)
-    try:
-        _runtime_bound_loop[(1,)](torch.tensor([5]), out)
-        return
-    except triton.runtime.errors.InterpreterError as e:
-        if "0-dimensional" not in str(e):
-            raise
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    _runtime_bound_loop[(1,)](torch.tensor([5]), out)
-    assert out.item() == 0 + 2 + 4
-
-
-if INTERPRET:
-    _fix_interpreter_runtime_loop_bounds()
-
-from hiserve.layers.attention.triton_backend import TritonAttnBackend, can_use_triton  # noqa: E402
-from hiserve.layers.attention.triton_ops import (  # noqa: E402
+from hiserve.layers.attention import torch_native_mla
+from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.attention.mla import MLAAttention
+from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
+from hiserve.layers.forward_batch import ForwardBatch, ForwardMode
+from hiserve.mem_cache.allocator import ReqToTokenPool
+from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from hiserve.layers.attention.triton_backend import TritonAttnBackend, can_use_triton
+from hiserve.layers.attention.triton_ops import (
     alloc_decode_scratch,
     decode_attention_fwd,
     extend_attention_fwd,
 )
-from hiserve.layers.attention.triton_ops import decode_attention, extend_attention  # noqa: E402
+from hiserve.layers.attention.triton_ops import decode_attention, extend_attention
 
+FP32_TOL = dict(atol=2e-5, rtol=2e-5)
+BF16_REL_ERR = 1.5e-2  # ||got - want|| / ||want|| against a float32 oracle over the same bf16 pool
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 
 
