@@ -314,12 +314,20 @@ def _cpu_has_bf16() -> bool:
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
-    """Parse argv (default sys.argv) into resolved ServerArgs."""
+    """Parse argv (default sys.argv) into resolved ServerArgs.
+
+    A flag combination that cannot run exits like any other usage error (status 2, the
+    reason on stderr naming the flag), not with a traceback.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m hiserve.launch_server",
         description="hiserve: an LLM server with a hierarchical (device + host) KV cache.")
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv)).resolve()
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    try:
+        return args.resolve()
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
 
 
 @dataclass

@@ -223,3 +223,12 @@ def test_cli_flags_parse():
     assert ServerArgs.from_cli_args(parser.parse_args([])).disable_cuda_graph is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "flashinfer"])
+
+
+def test_cli_reports_a_bad_combination_as_a_usage_error(llama, capsys):
+    from hiserve.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args(["--model-path", llama, "--page-size", "0"])
+    assert exc.value.code == 2
+    assert "--page-size must be >= 1" in capsys.readouterr().err
