@@ -94,7 +94,7 @@ class ServerArgs:
     attention_backend: Optional[str] = _arg(
         None, "Attention kernels: torch_native (CPU and CUDA; the reference), triton (CUDA), fa3 "
         "(FlashAttention-3, Hopper only; pip install tokenspeed-fa3). Default: fa3 on Hopper when "
-        "importable (for an MLA model: when its FA3 build has the MLA kernel), else triton on CUDA, "
+        "importable (for an MLA model: when its FA3 passes its MLA trial), else triton on CUDA, "
         "torch_native on CPU.",
         choices=ATTENTION_BACKENDS)
     prefill_attention_backend: Optional[str] = _arg(

@@ -4,7 +4,7 @@ Scenarios (see scenario.py for the three servers and runs of each):
 - `llama3-8b` and `deepseek-mla` (CUDA, marked `cuda`): bf16, the attention backend under
   test with decode CUDA graphs (`HISERVE_GPU_BACKEND`, default fa3, for Llama;
   `HISERVE_GPU_MLA_BACKEND` for MLA, default `auto`: the server's choice, fa3 when the
-  installed FA3 has the MLA kernel, else triton; the backend used is in the summary),
+  installed FA3 passes its MLA trial, else triton; the backend used is in the summary),
   hierarchical cache `page_first` + `kernel` IO, a 4096-token device pool;
   stress = 50 conversations x 10 turns (500 requests, prompts 256..832 tokens, 8 output
   tokens) at 16 in flight; identity = 12 conversations x 8 turns (96 requests, 16 output
