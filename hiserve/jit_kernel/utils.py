@@ -191,12 +191,17 @@ class KvcacheioConfig:
         the relayout kernel (device -> device, not block-limited).
     transfer_threads, transfer_unroll: the same for the SM transfer kernels, whose grid is
         capped at a block quota given per call.
+    relayout_max_blocks: grid cap of the relayout kernel per buffer (K or V); 0 means 16 per
+        SM. The copy engine drains the staging buffer at PCIe speed (~55 GB/s), so a small
+        grid keeps ahead of it while leaving the other SMs to a forward pass running at the
+        same time. Default from the environment variable HISERVE_RELAYOUT_MAX_BLOCKS.
     """
 
     relayout_threads: int = 256
     relayout_unroll: int = 4
     transfer_threads: int = 1024
     transfer_unroll: int = 4
+    relayout_max_blocks: int = int(os.environ.get("HISERVE_RELAYOUT_MAX_BLOCKS", "0"))
 
     def macros(self) -> list[str]:
         return [
@@ -204,6 +209,7 @@ class KvcacheioConfig:
             f"-DHISERVE_RELAYOUT_UNROLL={self.relayout_unroll}",
             f"-DHISERVE_TRANSFER_THREADS={self.transfer_threads}",
             f"-DHISERVE_TRANSFER_UNROLL={self.transfer_unroll}",
+            f"-DHISERVE_RELAYOUT_MAX_BLOCKS={self.relayout_max_blocks}",
         ]
 
 
@@ -254,7 +260,7 @@ def load_kvcacheio_module(config: KvcacheioConfig = KvcacheioConfig()):
     digest = csrc_digest()
     name = (
         f"hiserve_kvcacheio_{digest}_r{config.relayout_threads}x{config.relayout_unroll}"
-        f"_t{config.transfer_threads}x{config.transfer_unroll}"
+        f"_t{config.transfer_threads}x{config.transfer_unroll}_b{config.relayout_max_blocks}"
     )
     source = f'// csrc digest {digest}\n#include "kvcacheio/bindings.cuh"\n'
     with _build_lock:

@@ -27,6 +27,9 @@ namespace kvcacheio {
 
 // Staged pages per relayout launch (the page map travels in the kernel parameters).
 constexpr int kMaxRelayoutPages = 256;
+#ifndef HISERVE_RELAYOUT_MAX_BLOCKS
+#define HISERVE_RELAYOUT_MAX_BLOCKS 0
+#endif
 
 template <typename IndexT>
 struct RelayoutParams {
@@ -102,7 +105,10 @@ inline void launch_relayout_lf_pf(const uint64_t* layer_ptrs, char* staging0, ch
   for (int64_t j = 0; j < num_pages; ++j) p.page_map[j] = page_map[j];
   const int64_t per_block = int64_t{kThreads} * kUnroll;
   const int64_t wanted = (total + per_block - 1) / per_block;
-  const int64_t cap = int64_t{device_sm_count(device)} * 16;
+  // HISERVE_RELAYOUT_MAX_BLOCKS (KvcacheioConfig.relayout_max_blocks) > 0 caps the grid so the
+  // relayout, which only has to outpace the copy engine, leaves most SMs to a concurrent forward.
+  const int64_t cap = HISERVE_RELAYOUT_MAX_BLOCKS > 0 ? int64_t{HISERVE_RELAYOUT_MAX_BLOCKS}
+                                                      : int64_t{device_sm_count(device)} * 16;
   const dim3 grid(static_cast<unsigned>(wanted < cap ? wanted : cap), static_cast<unsigned>(num_kinds));
   relayout_lf_pf_kernel<IndexT, kThreads, kUnroll><<<grid, kThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "relayout_lf_pf_kernel launch");
