@@ -4,14 +4,14 @@ the request hooks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
-from hiserve.mem_cache.hiradix_cache import HiRadixCache, HiTreeNode
+from hiserve.mem_cache.hiradix_cache import HiRadixCache
 from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hiserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+from cache_driver import Driver, FakeReq
 
 POOL_SIZE = 64
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4  # 32-byte items: the CUDA kernels need 16-byte multiples
@@ -111,30 +111,16 @@ def evict_to_host(cache: HiRadixCache) -> None:
     assert cache.total_size() == 0
 
 
-# ---- a tiny scheduler driving the request hooks ----------------------------------------
+# ---- the shared test scheduler, with load-back and KV contents ------------------------
 
 
-@dataclass
-class FakeReq:
-    origin_input_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-    req_pool_idx: int = -1
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: HiTreeNode | None = None
-    loaded: int = 0
+class HiDriver(Driver):
+    """`cache_driver.Driver` for a HiRadixCache: admission loads host hits back, computed
+    slots get their (token, layer) KV rows, and finishing processes the controller's acks."""
 
+    decode_steps = 2
 
-class Driver:
-    """Plays the scheduler: admit (match, load back, lock), prefill in chunks, decode, finish."""
-
-    def __init__(self, cache: HiRadixCache) -> None:
-        self.cache = cache
-        self.rtt = cache.req_to_token_pool
-        self.alloc = cache.token_to_kv_pool_allocator
-        self.next_token = 1000
-
-    def admit(self, req: FakeReq) -> None:
+    def match(self, req: FakeReq) -> None:
         match = self.cache.match_prefix(req.origin_input_ids[:-1])
         req.prefix_indices, req.last_node = match.device_indices, match.last_device_node
         if match.host_hit_length:
@@ -143,62 +129,10 @@ class Driver:
                 req.prefix_indices = torch.cat([req.prefix_indices, loaded])
                 req.last_node, req.loaded = last, len(loaded)
         self.cache.ready_to_load_host_cache()
-        self.cache.inc_lock_ref(req.last_node)
-        req.req_pool_idx = self.rtt.alloc(1)[0]
-        self.rtt.req_to_token[req.req_pool_idx, : len(req.prefix_indices)] = req.prefix_indices.int()
 
-    def extend(self, req: FakeReq, end: int) -> None:
-        row = self.rtt.req_to_token[req.req_pool_idx]
-        start = len(req.prefix_indices)
-        last_loc = int(row[start - 1]) if start > 0 else -1
-        slots = self.alloc.alloc_extend([start], [end], [last_loc])
-        assert slots is not None
-        row[start:end] = slots.int()
-        write_kv(self.cache, slots, req.origin_input_ids[start:end])
-        req.fill_ids = req.origin_input_ids[:end]
+    def write(self, slots: torch.Tensor, tokens: list[int]) -> None:
+        write_kv(self.cache, slots, tokens)
 
-    def prefill(self, req: FakeReq, chunk: int | None = None, stop_after_chunks: int | None = None) -> None:
-        n = len(req.origin_input_ids)
-        chunk = chunk or n
-        chunks = 0
-        while True:
-            end = min(len(req.prefix_indices) + chunk, n)
-            self.extend(req, end)
-            if end == n:
-                break
-            self.cache.cache_unfinished_req(req)
-            chunks += 1
-            if stop_after_chunks is not None and chunks >= stop_after_chunks:
-                return
-        req.output_ids.append(self.new_token())
-
-    def decode(self, req: FakeReq, steps: int) -> None:
-        row = self.rtt.req_to_token[req.req_pool_idx]
-        for _ in range(steps):
-            seq_len = len(req.origin_input_ids) + len(req.output_ids)
-            slot = self.alloc.alloc_decode([seq_len], [int(row[seq_len - 2])])
-            assert slot is not None
-            row[seq_len - 1] = int(slot[0])
-            write_kv(self.cache, slot, [req.output_ids[-1]])
-            req.output_ids.append(self.new_token())
-            req.fill_ids = (req.origin_input_ids + req.output_ids)[:-1]
-
-    def abort_chunked(self, req: FakeReq) -> None:
-        """What the scheduler does for an unfinished prompt: free the tail, unlock, free the row."""
-        P = self.cache.page_size
-        n_tree = len(req.prefix_indices) // P * P
-        self.alloc.free(req.prefix_indices[n_tree:])
-        self.cache.dec_lock_ref(req.last_node)
-        self.rtt.free(req.req_pool_idx)
-
-    def new_token(self) -> int:
-        self.next_token += 1
-        return self.next_token
-
-    def run(self, req: FakeReq, decode_steps: int = 2, chunk: int | None = None) -> FakeReq:
-        self.admit(req)
-        self.prefill(req, chunk)
-        self.decode(req, decode_steps)
-        self.cache.cache_finished_req(req)
+    def finish(self, req: FakeReq) -> None:
+        super().finish(req)
         self.cache.check_hicache_events()
-        return req

@@ -22,7 +22,7 @@ from hiradix_helpers import (
     assert_everything_freed,
     evict_to_host,
     FakeReq,
-    Driver,
+    HiDriver,
 )
 
 
@@ -207,7 +207,7 @@ def test_recompute_after_host_eviction_matches_a_shorter_prefix():
     m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
     assert m.host_hit_length == 0 and m.last_host_node is cache.root_node
     # A request recomputes it all and the tree is whole again.
-    d = Driver(cache)
+    d = HiDriver(cache)
     d.run(FakeReq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert len(cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).device_indices) == 8
     assert_consistent(cache)
@@ -260,7 +260,7 @@ def test_prefix_of_exactly_one_page():
 
 def test_requests_reuse_host_prefixes_with_page_size_and_chunks():
     cache = make_cache(page_size=4, load_back_threshold=1)
-    d = Driver(cache)
+    d = HiDriver(cache)
     prompt = list(range(1, 31))
     d.run(FakeReq(prompt), chunk=8)  # chunked inserts are backed up too
     assert cache.host_used_size() >= 28
@@ -273,7 +273,7 @@ def test_requests_reuse_host_prefixes_with_page_size_and_chunks():
 
 def test_chunked_prompt_ends_up_on_host_chunk_by_chunk():
     cache = make_cache(page_size=4)
-    d = Driver(cache)
+    d = HiDriver(cache)
     req = FakeReq(list(range(1, 41)))
     d.admit(req)
     d.prefill(req, chunk=8, stop_after_chunks=3)
@@ -289,7 +289,7 @@ def test_chunked_prompt_ends_up_on_host_chunk_by_chunk():
 
 def test_abort_while_its_write_is_in_flight_neither_leaks_nor_double_frees():
     cache = make_cache(page_size=4)
-    d = Driver(cache)
+    d = HiDriver(cache)
     req = FakeReq(list(range(1, 31)))
     d.admit(req)
     d.prefill(req, chunk=8, stop_after_chunks=2)  # two chunks inserted: writes issued, acks pending
@@ -321,7 +321,7 @@ def test_abort_while_its_write_is_in_flight_neither_leaks_nor_double_frees():
 
 def test_finish_while_write_in_flight_then_eviction():
     cache = make_cache()
-    d = Driver(cache)
+    d = HiDriver(cache)
     req = FakeReq(list(range(1, 11)))
     d.admit(req)
     d.prefill(req)
@@ -341,7 +341,7 @@ def test_finish_while_write_in_flight_then_eviction():
 
 def test_write_through_selective_backs_up_on_the_second_hit():
     cache = make_cache(policy="write_through_selective")
-    d = Driver(cache)
+    d = HiDriver(cache)
     prompt = list(range(1, 9))
     d.run(FakeReq(prompt + [20]))
     assert cache.host_used_size() == 0  # one request: no backup
@@ -360,14 +360,14 @@ def test_write_through_selective_backs_up_on_the_second_hit():
 
 def test_write_through_selective_ignores_chunk_reinserts():
     cache = make_cache(policy="write_through_selective")
-    d = Driver(cache)
+    d = HiDriver(cache)
     d.run(FakeReq(list(range(1, 33))), chunk=4)  # 8 chunks re-walk the same nodes
     assert cache.host_used_size() == 0
 
 
 def test_write_back_writes_only_on_eviction():
     cache = make_cache(policy="write_back")
-    d = Driver(cache)
+    d = HiDriver(cache)
     prompt = list(range(1, 13))
     d.run(FakeReq(prompt + [50]))
     d.run(FakeReq(prompt + [60]))
@@ -390,7 +390,7 @@ def test_write_through_deletes_unbacked_leaves_when_host_is_full():
     # Host pool of 2 x 8 = 16 slots; a 40-token sequence cannot be fully backed up.
     cache = make_cache(ratio=0.25)
     assert cache.host_total_size() == 16
-    d = Driver(cache)
+    d = HiDriver(cache)
     d.run(FakeReq(list(range(1, 41))), chunk=8)
     assert cache.host_used_size() <= 16
     evict_to_host(cache)
@@ -402,7 +402,7 @@ def test_write_through_deletes_unbacked_leaves_when_host_is_full():
 
 def test_reset_frees_both_tiers():
     cache = make_cache(page_size=2)
-    d = Driver(cache)
+    d = HiDriver(cache)
     for i in range(4):
         d.run(FakeReq([1, 2, 3, 4] + list(range(10 * i, 10 * i + 9))))
     evict_to_host(cache)

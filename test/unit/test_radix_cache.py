@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
 from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
 from hiserve.mem_cache.radix_cache import RadixCache, TreeNode
 
+from cache_driver import Driver, FakeReq
+
 POOL_SIZE = 256
-
-
-@dataclass
-class FakeReq:
-    """The request fields the cache uses (test data, not engine code)."""
-
-    origin_input_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-    req_pool_idx: int = -1
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: TreeNode | None = None
 
 
 def make_cache(page_size: int, disable: bool = False) -> RadixCache:
@@ -41,70 +29,6 @@ def insert_fresh(cache: RadixCache, key: list[int]) -> torch.Tensor:
 
 def node_of(cache: RadixCache, key: list[int]) -> TreeNode:
     return cache.match_prefix(key).last_device_node
-
-
-# ---- a tiny scheduler driving the request hooks ---------------------------------------
-
-
-class Driver:
-    """Plays the scheduler's part: admit (match + lock), prefill in chunks, decode, finish."""
-
-    def __init__(self, cache: RadixCache) -> None:
-        self.cache = cache
-        self.rtt = cache.req_to_token_pool
-        self.alloc = cache.token_to_kv_pool_allocator
-        self.next_token = 1000
-
-    def admit(self, req: FakeReq) -> None:
-        # At least one input token must be computed, so match all but the last.
-        match = self.cache.match_prefix(req.origin_input_ids[:-1])
-        req.prefix_indices = match.device_indices
-        req.last_node = match.last_device_node
-        self.cache.inc_lock_ref(req.last_node)
-        req.req_pool_idx = self.rtt.alloc(1)[0]
-        self.rtt.req_to_token[req.req_pool_idx, : len(req.prefix_indices)] = req.prefix_indices.int()
-
-    def extend(self, req: FakeReq, end: int) -> None:
-        """Compute positions len(prefix_indices)..end-1 of the input."""
-        row = self.rtt.req_to_token[req.req_pool_idx]
-        start = len(req.prefix_indices)
-        last_loc = int(row[start - 1]) if start > 0 else -1
-        slots = self.alloc.alloc_extend([start], [end], [last_loc])
-        assert slots is not None
-        row[start:end] = slots.int()
-        req.fill_ids = req.origin_input_ids[:end]
-
-    def prefill(self, req: FakeReq, chunk: int | None = None) -> None:
-        n = len(req.origin_input_ids)
-        chunk = chunk or n
-        while True:
-            end = min(len(req.prefix_indices) + chunk, n)
-            self.extend(req, end)
-            if end == n:
-                break
-            self.cache.cache_unfinished_req(req)
-        req.output_ids.append(self.new_token())
-
-    def decode(self, req: FakeReq, steps: int) -> None:
-        row = self.rtt.req_to_token[req.req_pool_idx]
-        for _ in range(steps):
-            seq_len = len(req.origin_input_ids) + len(req.output_ids)
-            slot = self.alloc.alloc_decode([seq_len], [int(row[seq_len - 2])])
-            assert slot is not None
-            row[seq_len - 1] = int(slot[0])
-            req.output_ids.append(self.new_token())
-            req.fill_ids = (req.origin_input_ids + req.output_ids)[:-1]  # positions with KV
-
-    def new_token(self) -> int:
-        self.next_token += 1
-        return self.next_token
-
-    def run(self, req: FakeReq, decode_steps: int = 3, chunk: int | None = None) -> FakeReq:
-        self.admit(req)
-        self.prefill(req, chunk)
-        self.decode(req, decode_steps)
-        self.cache.cache_finished_req(req)
-        return req
 
 
 def assert_no_leak(cache: RadixCache, running: list[FakeReq] = ()) -> None:
