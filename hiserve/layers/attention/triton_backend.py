@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -106,9 +107,7 @@ class TritonAttnBackend(AttentionBackend):
             self._extend = None
             return
         ext = forward_batch.extend_seq_lens_cpu
-        starts = [0] * len(ext)
-        for i in range(1, len(ext)):
-            starts[i] = starts[i - 1] + ext[i - 1]
+        starts = [0, *accumulate(ext)][:-1]
         # One host -> device copy for both index vectors.
         both = torch.tensor([ext, starts], dtype=torch.int32).to(self.device)
         self._extend = _ExtendMetadata(req_pool_indices, seq_lens, both[0], both[1], max(ext, default=0))
