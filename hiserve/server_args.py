@@ -119,10 +119,18 @@ class ServerArgs:
     hicache_size: int = _arg(0, "Host pool size in GB per rank; overrides --hicache-ratio when > 0.")
     hicache_mem_layout: str = _arg("page_first", "Host pool layout.", choices=HICACHE_LAYOUTS)
     hicache_io_backend: str = _arg(
-        "kernel", "Device<->host transfer backend: our kernels, or copy-engine DMA (direct).",
-        choices=HICACHE_IO_BACKENDS)
+        "kernel", "Device<->host transfer backend. kernel: our JIT CUDA kernels (staged write-back "
+        "with copy-engine DMA for page_first), asynchronous on the transfer streams. direct: torch "
+        "gather + copy per layer (the reference); on CUDA it runs on the transfer streams but each "
+        "device->host copy blocks the scheduler until it completes. On the CPU both are the same "
+        "synchronous copies.", choices=HICACHE_IO_BACKENDS)
     hicache_write_policy: str = _arg(
         "write_through", "When device KV is backed up to the host.", choices=HICACHE_WRITE_POLICIES)
+
+    # Debugging
+    enable_cache_integrity_check: bool = _arg(
+        False, "Check the KV hierarchy's ownership invariants (every device and host page owned "
+        "exactly once, lock counts, sizes) after every scheduler iteration; slow, for debugging.")
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -156,6 +164,8 @@ class ServerArgs:
         """
         from hiserve.models.loader import resolve_model_path
 
+        if getattr(self, "_frozen", False):
+            return self  # already resolved
         self.model_path = resolve_model_path(self.model_path)
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
@@ -203,7 +213,15 @@ class ServerArgs:
             if self.hicache_ratio <= 1.0 and self.hicache_size == 0:
                 raise ValueError(f"--hicache-ratio must be > 1 (host pool larger than device pool), "
                                  f"got {self.hicache_ratio}")
+        object.__setattr__(self, "_frozen", True)
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Frozen once resolved: every process reads the same resolved values.
+        if getattr(self, "_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"ServerArgs is frozen after resolve(); cannot set {name}")
+        object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ attention + graphs
     def _detect_platform(self) -> "Platform":
@@ -228,7 +246,7 @@ class ServerArgs:
         if getattr(self, "_model_config", None) is None:
             from hiserve.models.loader import load_model_config
 
-            self._model_config = load_model_config(self.model_path)
+            object.__setattr__(self, "_model_config", load_model_config(self.model_path))
         return self._model_config
 
     def _fa3_blocker(self, platform: "Platform") -> Optional[str]:

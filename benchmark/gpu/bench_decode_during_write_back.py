@@ -69,14 +69,14 @@ class Writer:
         host_gb = math.ceil(write_bytes / GB) + 1
         cls = MLATokenToKVPoolHost if runner.is_mla else MHATokenToKVPoolHost
         self.host_pool = cls(runner.token_to_kv_pool, 0, host_gb, runner.page_size, layout)
-        self.controller = HiCacheController(runner.token_to_kv_pool_allocator, self.host_pool, runner.page_size,
-                                            "kernel")
+        self.controller = HiCacheController(runner.token_to_kv_pool, self.host_pool, "kernel")
         self.write_bytes = write_bytes
 
     def start(self) -> tuple[torch.Tensor, Any]:
-        host = self.controller.write(self.slots, node_id=0)
-        if host is None:
+        started = self.controller.write(self.slots, node_id=0)
+        if started is None:
             raise RuntimeError("host pool too small for the write-back")
+        host = started[0]
         end = None
         if self.controller.is_cuda:
             end = torch.cuda.Event(enable_timing=True)

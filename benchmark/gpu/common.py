@@ -85,7 +85,9 @@ def make_decode_batch(runner: ModelRunner, batch_size: int, context_len: int, se
     slots = slots.view(batch_size, context_len)
     dev = runner.device
     rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-    runner.req_to_token_pool.req_to_token[rows_t, :context_len] = slots.to(torch.int32)
+    for row, row_slots in zip(rows, slots):
+        runner.req_to_token_pool.write(row, 0, row_slots)
+    runner.req_to_token_pool.flush()
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.vocab_size
     prompts = torch.randint(10, vocab, (batch_size, context_len), generator=gen).tolist()
@@ -94,7 +96,7 @@ def make_decode_batch(runner: ModelRunner, batch_size: int, context_len: int, se
     for i, ids in enumerate(prompts):
         req = Req(f"bench{i}", ids[:-1], sp, False, 1 << 20, set())
         req.output_ids = [ids[-1]]
-        req.req_pool_idx = rows[i]
+        req.kv.row = rows[i]
         reqs.append(req)
     seq_lens = [context_len] * batch_size
     batch = ScheduleBatch(

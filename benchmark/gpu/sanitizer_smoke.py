@@ -90,12 +90,12 @@ def smoke(args: argparse.Namespace) -> dict[str, Any]:
                                                             sampling_params=sp))
             run_until_idle(sched)
             outputs.update(collect_outputs(sched))
-        controller = sched.tree_cache.cache_controller
+        controller = sched.kv.h.controller
         controller.synchronize()
         sched.check_cache_events()
         if args.device == "cuda":
             torch.cuda.synchronize()  # raises on an asynchronous CUDA error
-        cache = sched.tree_cache
+        cache = sched.kv.prefix_cache
         summary = {
             "shape": args.shape, "device": args.device, "attention_backend": server_args.attention_backend,
             "server_args_missing": missing, "cuda_graph_runner_found": graph_runner_of(sched.model_runner) is not None,
@@ -111,7 +111,8 @@ def smoke(args: argparse.Namespace) -> dict[str, Any]:
             problems.append("no write-back or no load-back happened")
         if not sched.flush_cache():
             problems.append("flush refused: requests left")
-        if sched.allocator.available_size() != sched.max_total_num_tokens:
+        sched.kv.check_integrity()
+        if sched.kv.allocator.available_size() != sched.max_total_num_tokens:
             problems.append("device pool not free after flush")
         host = cache.mem_pool_host
         if host.available_size() != host.size:

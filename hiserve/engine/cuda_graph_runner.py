@@ -14,10 +14,9 @@ refill its own static metadata, and replays.
 - All graphs share one memory pool and are captured largest first, so the smaller ones
   reuse the largest one's memory.
 - Sampling stays outside the graph (it reads per-request settings on the host).
-- Host -> device load-back: the pool's layer accessors make the compute stream wait per
-  layer (`LayerTransferCounter.wait_until`), but those waits cannot be captured (an event
-  recorded outside a capture cannot be waited on inside it), so a replay first waits for
-  every layer of any load-back in flight, and a capture runs with the counter detached.
+- Host -> device load-back never concerns a replay: only the EXTEND batch that reads a
+  load-back waits for it (per layer, eagerly), and decode batches carry no load, so a
+  replay waits for nothing and the compute stream's order covers earlier loads.
 
 The logits a replay returns are a view of the graph's output buffer: valid until the next replay.
 """
@@ -25,10 +24,9 @@ The logits a replay returns are a view of the graph's output buffer: valid until
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -122,15 +120,6 @@ class CudaGraphRunner:
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend)
 
-    @contextlib.contextmanager
-    def _layer_waits_detached(self) -> Iterator[None]:
-        counter = self.token_to_kv_pool.layer_transfer_counter
-        self.token_to_kv_pool.register_layer_transfer_counter(None)
-        try:
-            yield
-        finally:
-            self.token_to_kv_pool.register_layer_transfer_counter(counter)
-
     def capture(self) -> None:
         """Capture one graph per size in `capture_bs`, largest first, into one shared memory pool."""
         torch.cuda.synchronize(self.device)
@@ -138,7 +127,7 @@ class CudaGraphRunner:
         start = time.perf_counter()
         self.graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        with torch.inference_mode(), self._layer_waits_detached():
+        with torch.inference_mode():
             for bs in reversed(self.capture_bs):
                 try:
                     self._capture_one(bs, stream)
@@ -172,13 +161,6 @@ class CudaGraphRunner:
         """A DECODE batch of at most `max_bs` requests."""
         return forward_batch.forward_mode.is_decode() and forward_batch.batch_size <= self.max_bs
 
-    def _wait_for_load_back(self) -> None:
-        counter = self.token_to_kv_pool.layer_transfer_counter
-        if counter is None:
-            return
-        for layer_id in range(self.token_to_kv_pool.layer_num):
-            counter.wait_until(layer_id)
-
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Run `forward_batch` (DECODE, `can_run`) through the smallest graph that holds it.
 
@@ -202,6 +184,5 @@ class CudaGraphRunner:
             seq_lens_cpu += [self.fill_seq_len] * (bs - raw_bs)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             bs, self.req_pool_indices[:bs], self.seq_lens[:bs], seq_lens_cpu)
-        self._wait_for_load_back()
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_bs]

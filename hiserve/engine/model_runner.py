@@ -13,8 +13,7 @@ from hiserve.engine.sampler import Sampler, SamplingBatchInfo
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.layers.attention.base import AttentionBackend
 from hiserve.layers.forward_batch import ForwardBatch
-from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
-from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from hiserve.mem_cache.hierarchy import KVSpec, build_kv_hierarchy, cell_size_bytes, reserved_device_bytes
 from hiserve.models.loader import load_model
 from hiserve.models.model_config import ModelConfig
 from hiserve.server_args import ServerArgs
@@ -99,10 +98,7 @@ class ModelRunner:
                              f"max_position_embeddings {model_max}")
         self.context_len = server_args.context_length or model_max
         self.vocab_size = self.model_config.vocab_size
-        self.host_pool = None  # the hierarchical cache's host pool (L2), when enabled
-        self.init_memory_pool(reserved_bytes=self._hicache_staging_bytes())
-        if server_args.enable_hierarchical_cache:
-            self.init_host_pool()
+        self.init_memory_pool()
         self.attn_backend = create_pass_attention_backend(server_args, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = self._create_cuda_graph_runner()
@@ -112,80 +108,50 @@ class ModelRunner:
     def is_mla(self) -> bool:
         return bool(getattr(self.model_config, "kv_lora_rank", None))
 
-    def _cell_size_bytes(self) -> int:
-        """Device KV bytes of one token across all layers (the pool classes own the formula)."""
-        cfg = self.model_config
-        if self.is_mla:
-            return MLATokenToKVPool.cell_size_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                                    cfg.num_hidden_layers, self.dtype)
-        return MHATokenToKVPool.cell_size_bytes(cfg.num_key_value_heads, cfg.head_dim,
-                                                cfg.num_hidden_layers, self.dtype)
+    def _kv_spec(self, num_tokens: int) -> KVSpec:
+        args, cfg = self.server_args, self.model_config
+        return KVSpec(
+            num_tokens=num_tokens, page_size=self.page_size, dtype=self.dtype, device=self.device,
+            layer_num=cfg.num_hidden_layers, num_kv_heads=getattr(cfg, "num_key_value_heads", 0),
+            head_dim=getattr(cfg, "head_dim", 0),
+            kv_lora_rank=getattr(cfg, "kv_lora_rank", None) or None,
+            qk_rope_head_dim=getattr(cfg, "qk_rope_head_dim", 0) or 0,
+            max_running_requests=self.max_running_requests, max_context_len=self.context_len + 8,
+            disable_radix_cache=args.disable_radix_cache,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size,
+            hicache_mem_layout=args.hicache_mem_layout, hicache_io_backend=args.hicache_io_backend,
+            hicache_write_policy=args.hicache_write_policy)
 
-    def _profile_max_total_tokens(self, reserved_bytes: int) -> int:
+    def _profile_max_total_tokens(self, spec: KVSpec) -> int:
         args = self.server_args
         if args.max_total_tokens is not None:
             return args.max_total_tokens
         if self.device.type != "cuda":
             return _CPU_DEFAULT_MAX_TOTAL_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = free - total * (1 - args.mem_fraction_static) - reserved_bytes
+        budget = free - total * (1 - args.mem_fraction_static) - reserved_device_bytes(spec)
         if budget <= 0:
             raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} leaves no room for "
                              f"the KV pool ({free} bytes free of {total})")
-        return int(budget // self._cell_size_bytes())
+        return int(budget // cell_size_bytes(spec))
 
-    def init_memory_pool(self, reserved_bytes: int = 0) -> None:
-        """Create `req_to_token_pool`, the device KV pool and its allocator.
-
-        Args:
-            reserved_bytes: device bytes to keep out of the KV pool (e.g. hicache staging buffers).
-        """
-        cfg = self.model_config
-        size = self._profile_max_total_tokens(reserved_bytes)
-        size = size // self.page_size * self.page_size
-        if size < 2 * self.page_size:
-            raise ValueError(f"--max-total-tokens {size} is too small for --page-size {self.page_size}")
-        self.max_total_num_tokens = size
+    def init_memory_pool(self) -> None:
+        """Size the device pool and build the KV hierarchy (`mem_cache/hierarchy.py`): request
+        rows, device pool, allocator, and with --enable-hierarchical-cache the host tier."""
         self.max_running_requests = self.server_args.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS
-        # The padding row is the request row of the dummy requests padding a CUDA-graph batch.
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 8, self.device,
-                                                padding_row=True)
-        if self.is_mla:
-            self.token_to_kv_pool = MLATokenToKVPool(size, self.page_size, self.dtype, cfg.kv_lora_rank,
-                                                     cfg.qk_rope_head_dim, cfg.num_hidden_layers, self.device)
-        else:
-            self.token_to_kv_pool = MHATokenToKVPool(size, self.page_size, self.dtype,
-                                                     cfg.num_key_value_heads, cfg.head_dim,
-                                                     cfg.num_hidden_layers, self.device)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(size, self.page_size, self.device,
-                                                                 self.token_to_kv_pool)
-        logger.info("KV pool: %d tokens, %.1f MB; %d request rows", size,
-                    size * self._cell_size_bytes() / 1e6, self.max_running_requests)
+        size = self._profile_max_total_tokens(self._kv_spec(0))
+        self.kv_hierarchy = build_kv_hierarchy(self._kv_spec(size))
+        self.max_total_num_tokens = self.kv_hierarchy.allocator.size
+        # The attention backends and CUDA graphs read these; benchmarks and kernel tests that
+        # build batches by hand also use the allocator (the scheduler goes through KVManager).
+        self.req_to_token_pool = self.kv_hierarchy.req_to_token_pool
+        self.token_to_kv_pool = self.kv_hierarchy.device_pool
+        self.token_to_kv_pool_allocator = self.kv_hierarchy.allocator
 
-    def _hicache_staging_bytes(self) -> int:
-        """Device bytes of the host pool's write-back staging buffers (0 when hicache is off),
-        bounded before the pools exist (64 pages), so the device pool is sized without them."""
-        args, cfg = self.server_args, self.model_config
-        if not args.enable_hierarchical_cache:
-            return 0
-        from hiserve.mem_cache.memory_pool_host import write_back_staging_bytes
-
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        if self.is_mla:
-            item_bytes, num_buffers = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize, 1
-        else:
-            item_bytes, num_buffers = cfg.num_key_value_heads * cfg.head_dim * itemsize, 2
-        return write_back_staging_bytes(args.hicache_mem_layout, self.device, None, self.page_size,
-                                        cfg.num_hidden_layers, item_bytes, num_buffers)
-
-    def init_host_pool(self) -> None:
-        """Create the host pool (L2) backing the device pool (--enable-hierarchical-cache)."""
-        from hiserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-
-        args = self.server_args
-        host_cls = MLATokenToKVPoolHost if self.is_mla else MHATokenToKVPoolHost
-        self.host_pool = host_cls(self.token_to_kv_pool, args.hicache_ratio, args.hicache_size,
-                                  self.page_size, args.hicache_mem_layout)
+    def _cell_size_bytes(self) -> int:
+        """Device KV bytes of one token across all layers."""
+        return cell_size_bytes(self.kv_hierarchy.spec)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _create_cuda_graph_runner(self) -> "CudaGraphRunner | None":
@@ -215,7 +181,7 @@ class ModelRunner:
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Run the model on `batch`; returns next-token logits [B, vocab] float32 (after a graph
         replay, a view valid until the next replay: sample before running another pass)."""
-        return self.run_forward(self.make_forward_batch(batch))
+        return self.forward_with_load(self.make_forward_batch(batch), batch.load_ticket)
 
     def run_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] float32 of one pass: DECODE batches the CUDA-graph runner can take
@@ -226,6 +192,17 @@ class ModelRunner:
                 return runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model.forward(forward_batch)
+
+    def forward_with_load(self, forward_batch: ForwardBatch, load_ticket: object | None) -> torch.Tensor:
+        """`run_forward`, with the layer accessors of the device pool waiting on
+        `load_ticket` (the load-back this batch reads) for this forward only."""
+        if load_ticket is None:
+            return self.run_forward(forward_batch)
+        self.token_to_kv_pool.register_layer_transfer_counter(load_ticket)
+        try:
+            return self.run_forward(forward_batch)
+        finally:
+            self.token_to_kv_pool.register_layer_transfer_counter(None)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: set[int]) -> list[int]:
         """Pick one token per request; returns them as Python ints."""

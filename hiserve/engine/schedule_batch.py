@@ -9,14 +9,14 @@ import torch
 
 from hiserve.engine.sampling_params import SamplingParams
 from hiserve.layers.forward_batch import ForwardMode
+from hiserve.mem_cache.kv_manager import ReqKV
 
 
 class Req:
     """One sequence being generated.
 
-    KV ownership: `prefix_indices` are the device slots of tokens whose KV existed when
-    this round started (matched in the radix cache, or computed by earlier chunks);
-    slots of newer tokens are recorded only in `req_to_token[req_pool_idx]`.
+    Its KV bookkeeping (`kv`: row, cached prefix, lock) belongs to the KV manager
+    (hiserve/mem_cache/kv_manager.py); the scheduler only reads it.
     """
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
@@ -29,15 +29,9 @@ class Req:
         self.output_ids: list[int] = []
         # Tokens whose KV exists after the current round (prefix + this round's extend).
         self.fill_ids: list[int] = []
-        self.req_pool_idx: Optional[int] = None
-        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
-        self.last_node: Any = None
+        self.kv = ReqKV()
         self.extend_input_len = 0
         self.finished_reason: Optional[dict[str, Any]] = None
-        self.cached_tokens_device = 0
-        self.cached_tokens_host = 0
-        self.host_hit_length = 0  # tokens of the current match that sit on the host tier
-        self.admitted_once = False
         self.sent_offset = 0  # output ids already sent to the API process
 
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
@@ -105,6 +99,8 @@ class ScheduleBatch:
     extend_seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     chunked_req: Optional[Req] = None  # the request whose prompt is not finished after this pass
+    # The load-back this batch reads (a LoadTicket), waited for per layer during its forward only.
+    load_ticket: Any = None
 
     @property
     def batch_size(self) -> int:

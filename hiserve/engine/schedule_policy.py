@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any, Optional
+from typing import Optional
 
 from hiserve.engine.schedule_batch import Req
+from hiserve.mem_cache.kv_manager import KVManager
 
 # Past this queue length, lpm's per-request prefix match costs more than it saves.
 _LPM_MAX_QUEUE = 128
@@ -13,14 +14,11 @@ _LPM_MAX_QUEUE = 128
 _DECODE_RESERVE_CLIP = 4096
 
 
-def order_waiting_queue(policy: str, waiting: list[Req], tree_cache: Any) -> None:
+def order_waiting_queue(policy: str, waiting: list[Req], kv: KVManager) -> None:
     """Sort `waiting` in place: fcfs keeps arrival order; lpm puts the longest cached prefix first."""
-    if policy != "lpm" or len(waiting) > _LPM_MAX_QUEUE or getattr(tree_cache, "disable", False):
+    if policy != "lpm" or len(waiting) > _LPM_MAX_QUEUE or not kv.shares_prefixes:
         return
-    lengths = {}
-    for req in waiting:
-        key = req.origin_input_ids + req.output_ids
-        lengths[id(req)] = len(tree_cache.match_prefix(key[:-1]).device_indices)
+    lengths = {id(req): kv.cached_len(req.origin_input_ids + req.output_ids) for req in waiting}
     waiting.sort(key=lambda r: -lengths[id(r)])
 
 
@@ -33,50 +31,40 @@ class AddResult(Enum):
 class PrefillAdder:
     """Admits requests into one prefill batch while its budgets last.
 
-    Budgets, in tokens: `rem_total_tokens` = free + evictable device slots minus what the
-    running requests will still decode (scaled by `new_token_ratio`, an estimate of the
-    fraction of max_new_tokens a request really uses); `rem_input_tokens` =
-    --max-prefill-tokens; `rem_chunk_tokens` = --chunked-prefill-size.
+    Budgets, in tokens: `rem_total_tokens` = the KV manager's room (free + evictable +
+    pending device slots) minus what the running requests will still decode (scaled by
+    `new_token_ratio`, an estimate of the fraction of max_new_tokens a request really
+    uses); `rem_input_tokens` = --max-prefill-tokens; `rem_chunk_tokens` =
+    --chunked-prefill-size. A request is admitted through the KV manager only once the
+    budget accepts it, so a refused request starts no load-back and evicts nothing.
     """
 
-    def __init__(self, tree_cache: Any, allocator: Any, running: list[Req], new_token_ratio: float,
+    def __init__(self, kv: KVManager, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: Optional[int], page_size: int,
                  max_new_reqs: int):
-        self.tree_cache = tree_cache
+        self.kv = kv
         self.page_size = page_size
         self.new_token_ratio = new_token_ratio
         reserve = sum(min(r.max_new_tokens - len(r.output_ids), _DECODE_RESERVE_CLIP) for r in running)
-        self.rem_total_tokens = (allocator.available_size() + tree_cache.evictable_size()
-                                 - int(reserve * new_token_ratio))
+        self.rem_total_tokens = kv.room() - int(reserve * new_token_ratio)
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.max_new_reqs = max_new_reqs
         self.can_run: list[Req] = []
         self.new_chunked_req: Optional[Req] = None
 
-    def _lock(self, req: Req) -> None:
-        before = self.tree_cache.evictable_size()
-        self.tree_cache.inc_lock_ref(req.last_node)
-        # Locked prefix slots are no longer evictable: they leave the budget.
-        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
-
-    def _unlock(self, req: Req) -> None:
-        before = self.tree_cache.evictable_size()
-        self.tree_cache.dec_lock_ref(req.last_node)
-        self.rem_total_tokens += self.tree_cache.evictable_size() - before
-
     def _total_need(self, req: Req) -> int:
-        """Slots the request still needs: its whole remaining prompt (every later chunk too)
-        and its decode reserve, rounded up to pages plus one partly filled page."""
-        extend_len = len(req.fill_ids) - len(req.prefix_indices)
+        """Slots the request still needs: its whole remaining prompt past the device prefix
+        (a host part needs device slots too, loaded or recomputed) and its decode reserve,
+        rounded up to pages plus one partly filled page."""
+        extend_len = len(req.fill_ids) - req.kv.prefix_len
         decode = min(req.max_new_tokens - len(req.output_ids), _DECODE_RESERVE_CLIP)
         tokens = extend_len + int(decode * self.new_token_ratio)
         return (-(-tokens // self.page_size) + 1) * self.page_size
 
     def _take(self, req: Req, extend_len: int) -> None:
-        self.rem_total_tokens -= self._total_need(req)
         req.extend_input_len = extend_len
-        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + extend_len]
+        req.fill_ids = req.fill_ids[: req.kv.prefix_len + extend_len]
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len
@@ -84,7 +72,8 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue the prompt of the request chunked in the previous pass (it holds its locks)."""
-        extend_len = len(req.fill_ids) - len(req.prefix_indices)
+        self.rem_total_tokens -= self._total_need(req)
+        extend_len = len(req.fill_ids) - req.kv.prefix_len
         limit = self._chunk_limit()
         if limit is not None and extend_len > limit:
             extend_len = limit
@@ -97,20 +86,24 @@ class PrefillAdder:
         return self.rem_chunk_tokens // self.page_size * self.page_size
 
     def add_one_req(self, req: Req) -> AddResult:
-        """Try to admit `req`, whose `prefix_indices`/`last_node` come from a prefix match."""
+        """Try to admit `req`, just matched by the KV manager (`kv.match`)."""
         if len(self.can_run) >= self.max_new_reqs:
             return AddResult.OTHER
-        extend_len = len(req.fill_ids) - len(req.prefix_indices)
+        compute_len = len(req.fill_ids) - req.kv.prefix_len - self.kv.loadable_len(req)
         limit = self._chunk_limit()
         if self.rem_input_tokens <= 0 or (limit is not None and limit <= 0):
             return AddResult.OTHER
-        if extend_len > self.rem_input_tokens and self.can_run:
+        if compute_len > self.rem_input_tokens and self.can_run:
             return AddResult.OTHER
         # Lock first: the request's own cached prefix must not count as room for it.
-        self._lock(req)
-        if self._total_need(req) > self.rem_total_tokens:
-            self._unlock(req)
+        self.rem_total_tokens -= self.kv.lock(req)
+        need = self._total_need(req)
+        if need > self.rem_total_tokens:
+            self.rem_total_tokens += self.kv.unlock(req)
             return AddResult.NO_TOKEN
+        self.rem_total_tokens -= need
+        self.kv.admit(req)  # only now: take a row, start the load-back of its host part
+        extend_len = len(req.fill_ids) - req.kv.prefix_len
         if limit is not None and extend_len > limit:
             self.new_chunked_req = req
             self._take(req, limit)

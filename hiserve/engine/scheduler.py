@@ -31,7 +31,7 @@ from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from hiserve.layers.forward_batch import ForwardMode
-from hiserve.mem_cache.radix_cache import RadixCache
+from hiserve.mem_cache.kv_manager import KVManager
 from hiserve.models.loader import get_tokenizer
 from hiserve.server_args import PortArgs, ServerArgs
 
@@ -47,7 +47,8 @@ _IN_BATCH_PREFIX_MIN = 32
 
 
 class Scheduler(SchedulerOutputMixin):
-    """Owns the running batch, the waiting queue, the radix cache and the model runner."""
+    """Owns the running batch, the waiting queue and the model runner; asks the KV manager
+    (`self.kv`, the only door to the KV hierarchy) for prefixes and slots."""
 
     def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs]):
         self.server_args = server_args
@@ -59,9 +60,8 @@ class Scheduler(SchedulerOutputMixin):
         self.max_total_num_tokens = self.model_runner.max_total_num_tokens
         self.max_req_input_len = min(self.context_len - 1, self.max_total_num_tokens - 1) - 5
         self.eos_token_ids = set(self.model_runner.model_config.eos_token_ids)
-        self.req_to_token_pool = self.model_runner.req_to_token_pool
-        self.allocator = self.model_runner.token_to_kv_pool_allocator
-        self.tree_cache = self._create_tree_cache()
+        self.kv = KVManager(self.model_runner.kv_hierarchy,
+                            debug_checks=server_args.enable_cache_integrity_check)
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
@@ -80,17 +80,6 @@ class Scheduler(SchedulerOutputMixin):
             self.recv_from_api.bind(port_args.scheduler_input_ipc_name)
             self.send_to_api = ctx.socket(zmq.PUSH)
             self.send_to_api.connect(port_args.tokenizer_ipc_name)
-
-    def _create_tree_cache(self) -> Any:
-        args = self.server_args
-        if args.enable_hierarchical_cache:
-            from hiserve.mem_cache.hiradix_cache import HiRadixCache
-
-            return HiRadixCache(self.req_to_token_pool, self.allocator, self.page_size,
-                                self.model_runner.host_pool, write_policy=args.hicache_write_policy,
-                                io_backend=args.hicache_io_backend)
-        return RadixCache(self.req_to_token_pool, self.allocator, self.page_size,
-                          disable=args.disable_radix_cache)
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(max_total_num_tokens=self.max_total_num_tokens,
@@ -114,9 +103,8 @@ class Scheduler(SchedulerOutputMixin):
         self.check_cache_events()
 
     def check_cache_events(self) -> None:
-        """Hook for the hierarchical cache's write/load acknowledgements (every iteration)."""
-        if self.server_args.enable_hierarchical_cache:
-            self.tree_cache.check_hicache_events()
+        """The KV hierarchy's transfer acknowledgements (every iteration, decode-only too)."""
+        self.kv.poll()
 
     def _recv_requests(self, block: bool) -> list[Any]:
         msgs = []
@@ -184,41 +172,37 @@ class Scheduler(SchedulerOutputMixin):
             if recv.abort_all or req.rid == recv.rid:
                 req.abort("Aborted by AbortReq.")
         if self.chunked_req is not None and self.chunked_req.finished:
-            self._release_chunked(self.chunked_req)
+            self.kv.release(self.chunked_req)
             self._send_outputs([self.chunked_req])
             self.chunked_req = None
         self._reap_finished_running()
 
     def flush_cache(self) -> bool:
-        if self.waiting_queue or self.running or self.chunked_req:
+        if self.waiting_queue or self.running or self.chunked_req or not self.kv.flush_cache():
             return False
-        # Idle, so every slot is either free or held by the tree: drop both together
-        # (a HiRadixCache's reset also waits for its transfers and frees every host slot).
-        self.tree_cache.reset()
-        self.allocator.clear()
-        self.req_to_token_pool.clear()
         self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
         return True
 
     def internal_state(self) -> dict[str, Any]:
+        kv = self.kv.stats()
         state = {
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len,
-            "available_size": self.allocator.available_size(),
-            "evictable_size": self.tree_cache.evictable_size(),
-            "protected_size": self.tree_cache.protected_size(),
-            "num_free_req_slots": self.req_to_token_pool.available_size(),
+            "available_size": kv.available,
+            "evictable_size": kv.evictable,
+            "protected_size": kv.protected,
+            "pending_size": kv.pending,
+            "num_free_req_slots": self.kv.rtt.available_size(),
             "max_running_requests": self.model_runner.max_running_requests,
             "num_running_reqs": len(self.running),
             "num_queue_reqs": len(self.waiting_queue),
             "last_gen_throughput": self.stats.gen_throughput,
             "memory_usage": {"token_capacity": self.max_total_num_tokens},
         }
-        if self.server_args.enable_hierarchical_cache:
-            host = self.tree_cache.mem_pool_host
-            state["host_total_size"] = host.size
-            state["host_available_size"] = host.available_size()
-            state["host_used_size"] = self.tree_cache.host_used_size()
+        if self.kv.is_hierarchical:
+            state["host_total_size"] = kv.host_total
+            state["host_available_size"] = kv.host_total - kv.host_used
+            state["host_used_size"] = kv.host_used
         return state
 
     # ================================================================== scheduling
@@ -235,30 +219,26 @@ class Scheduler(SchedulerOutputMixin):
             return None
         running_now = len(self.running) + (1 if self.chunked_req else 0)
         max_new_reqs = min(self.model_runner.max_running_requests - running_now,
-                           self.req_to_token_pool.available_size() + (1 if self.chunked_req else 0))
+                           self.kv.rtt.available_size() + (1 if self.chunked_req else 0))
         if max_new_reqs <= 0 and self.chunked_req is None:
             return None
-        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+        adder = PrefillAdder(self.kv, self.running, self.new_token_ratio,
                              self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size,
                              self.page_size, max(max_new_reqs, 1))
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
-        order_waiting_queue(self.server_args.schedule_policy, self.waiting_queue, self.tree_cache)
+        order_waiting_queue(self.server_args.schedule_policy, self.waiting_queue, self.kv)
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
-            # A load-back allocates and locks (its device ancestors too): charge the real drop in room.
-            room = self._decode_room()
-            self._match_prefix(req, mem_quota=adder.rem_total_tokens)
-            adder.rem_total_tokens -= room - self._decode_room()
+            req.init_next_round_input()
+            self.kv.match(req)
             if self._shares_uncached_prefix(req, adder.can_run):
                 continue  # next round it hits the prefix this batch inserts, instead of recomputing it
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 if req in adder.can_run:
                     continue
                 break
-        if self.server_args.enable_hierarchical_cache:
-            self.tree_cache.ready_to_load_host_cache()  # start load-backs before any forward
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
@@ -269,9 +249,9 @@ class Scheduler(SchedulerOutputMixin):
     def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
         """Whether `req`'s uncached tokens start with a run of at least _IN_BATCH_PREFIX_MIN
         tokens that a request already in this batch computes (SGLang defers such requests too)."""
-        if self.tree_cache.disable or not admitted:
+        if not self.kv.shares_prefixes or not admitted:
             return False
-        start = len(req.prefix_indices)
+        start = req.kv.prefix_len + self.kv.loadable_len(req)
         for other in admitted:
             a, b = req.fill_ids, other.fill_ids
             end = min(len(a), len(b), start + _IN_BATCH_PREFIX_MIN)
@@ -279,82 +259,30 @@ class Scheduler(SchedulerOutputMixin):
                 return True
         return False
 
-    def _match_prefix(self, req: Req, mem_quota: Optional[int] = None) -> int:
-        """Set the request's cached prefix; returns tokens loaded back from the host tier."""
-        # A request refused after an earlier load-back finds that prefix on the device now;
-        # it was still served from the host tier.
-        loaded_before = req.host_hit_length if not req.admitted_once else 0
-        req.init_next_round_input()
-        # The last token is always recomputed: its logits pick the next token.
-        match = self.tree_cache.match_prefix(req.fill_ids[:-1])
-        req.prefix_indices = match.device_indices
-        req.last_node = match.last_device_node
-        req.host_hit_length = match.host_hit_length
-        if not self.server_args.enable_hierarchical_cache:
-            return 0
-        loaded = 0
-        if match.host_hit_length > 0:  # all or nothing; below the threshold it is recomputed
-            indices, last_node = self.tree_cache.init_load_back(
-                match.last_host_node, match.host_hit_length, mem_quota)
-            loaded = len(indices)
-            if loaded:
-                req.prefix_indices = torch.cat([match.device_indices, indices])
-                req.last_node = last_node
-        # Tokens actually loaded back (0 when skipped): prepare_extend reports them as
-        # cached_tokens_host.
-        req.host_hit_length = loaded or min(loaded_before, len(req.prefix_indices))
-        return loaded
-
-    def _new_pages(self, prefix_lens: list[int], seq_lens: list[int]) -> int:
-        """Pages an allocation needs: position j lives on page j // page_size of its request."""
-        p = self.page_size
-        return sum(-(-s // p) - -(-q // p) for q, s in zip(prefix_lens, seq_lens))
-
-    def _alloc_or_evict(self, alloc_fn: Any, need_pages: int, *args: Any) -> Optional[torch.Tensor]:
-        short = need_pages * self.page_size - self.allocator.available_size()
-        if short > 0:
-            self.tree_cache.evict(short)
-        return alloc_fn(*args)
+    def _to_device(self, values: list[int] | torch.Tensor) -> torch.Tensor:
+        """int64 on the model's device; from pinned memory without blocking on CUDA."""
+        t = torch.as_tensor(values, dtype=torch.int64)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def prepare_extend(self, reqs: list[Req]) -> ScheduleBatch:
-        pool = self.req_to_token_pool
-        for req in reqs:
-            if req.req_pool_idx is None:
-                req.req_pool_idx = pool.alloc(1)[0]
-                n_prefix = len(req.prefix_indices)
-                if n_prefix:
-                    pool.req_to_token[req.req_pool_idx, :n_prefix] = req.prefix_indices.to(torch.int32)
-                if not req.admitted_once:
-                    req.cached_tokens_device = n_prefix - req.host_hit_length
-                    req.cached_tokens_host = req.host_hit_length
-                    req.admitted_once = True
-        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        prefix_lens = [r.kv.prefix_len for r in reqs]
         seq_lens = [len(r.fill_ids) for r in reqs]
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
-        last_loc = [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1
-                    for r, p in zip(reqs, prefix_lens)]
-        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_extend,
-                                             self._new_pages(prefix_lens, seq_lens),
-                                             prefix_lens, seq_lens, last_loc)
-        if out_cache_loc is None:
-            raise RuntimeError("KV pool exhausted during prefill admission (budget accounting bug)")
-        offset = 0
+        out_cache_loc = self.kv.alloc_extend(reqs)
         input_ids, positions = [], []
         for req, p, s in zip(reqs, prefix_lens, seq_lens):
-            pool.req_to_token[req.req_pool_idx, p:s] = out_cache_loc[offset:offset + s - p].to(torch.int32)
-            offset += s - p
             input_ids.extend(req.fill_ids[p:s])
             positions.extend(range(p, s))
-        dev = self.device
         batch = ScheduleBatch(
             reqs=reqs, forward_mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_cache_loc.to(dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            input_ids=self._to_device(input_ids), positions=self._to_device(positions),
+            out_cache_loc=self._to_device(out_cache_loc),
+            req_pool_indices=self._to_device([r.kv.row for r in reqs]),
+            seq_lens=self._to_device(seq_lens), seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=extend_lens, extend_prefix_lens_cpu=prefix_lens,
-            chunked_req=self.chunked_req)
+            chunked_req=self.chunked_req, load_ticket=self.kv.start_loads())
         self._log_prefill(reqs, extend_lens)
         return batch
 
@@ -365,60 +293,29 @@ class Scheduler(SchedulerOutputMixin):
             return None
         # KV of output token i is written when it is fed back: position seqlen - 1.
         seq_lens = [r.seqlen for r in reqs]
-        pool = self.req_to_token_pool
-        idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        pos = torch.tensor(seq_lens, dtype=torch.int64) - 1
-        last_loc = pool.req_to_token[idx, pos - 1].tolist()
-        out_cache_loc = self._alloc_or_evict(self.allocator.alloc_decode,
-                                             self._new_pages([s - 1 for s in seq_lens], seq_lens),
-                                             seq_lens, last_loc)
-        if out_cache_loc is None:
-            raise RuntimeError("KV pool exhausted after retraction (accounting bug)")
-        pool.req_to_token[idx, pos] = out_cache_loc.to(torch.int32)
-        dev = self.device
+        out_cache_loc = self.kv.alloc_decode(reqs)
         return ScheduleBatch(
             reqs=list(reqs), forward_mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
-            positions=pos.to(dev), out_cache_loc=out_cache_loc.to(dev), req_pool_indices=idx.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            input_ids=self._to_device([r.output_ids[-1] for r in reqs]),
+            positions=self._to_device([s - 1 for s in seq_lens]),
+            out_cache_loc=self._to_device(out_cache_loc),
+            req_pool_indices=self._to_device([r.kv.row for r in reqs]),
+            seq_lens=self._to_device(seq_lens), seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=[1] * len(reqs), extend_prefix_lens_cpu=[s - 1 for s in seq_lens])
-
-    def _decode_room(self) -> int:
-        return self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def _retract_until_fits(self) -> None:
         """Move running requests back to the waiting queue until one decode step fits."""
-        def need() -> int:
-            lens = [r.seqlen for r in self.running]
-            return self._new_pages([n - 1 for n in lens], lens) * self.page_size
-
         retracted = []
-        while self.running and self._decode_room() < need():
+        while self.running and self.kv.room() < self.kv.decode_need(self.running):
             req = self.running.pop()  # the most recently admitted loses its place
             retracted.append(req)
-            # Its KV goes into the radix cache (unlocked), so readmission re-uses what survives.
-            self.tree_cache.cache_finished_req(req)
-            self._reset_kv_state(req)
+            # Its KV goes into the prefix cache (unlocked), so readmission re-uses what survives.
+            self.kv.cache(req, finished=True)
         if retracted:
             self.stats.num_retracted_reqs += len(retracted)
             self.waiting_queue = retracted[::-1] + self.waiting_queue
             self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
             logger.info("Retracted %d requests; #running-req: %d", len(retracted), len(self.running))
-
-    def _reset_kv_state(self, req: Req) -> None:
-        req.req_pool_idx = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.last_node = None
-
-    def _release_chunked(self, req: Req) -> None:
-        """Free an unfinished prompt's KV: the tree keeps the page-aligned part, we free the tail."""
-        # Without a radix cache the tree owns none of it.
-        n_tree = 0 if self.tree_cache.disable else len(req.prefix_indices) // self.page_size * self.page_size
-        if len(req.prefix_indices) > n_tree:
-            self.allocator.free(req.prefix_indices[n_tree:])
-        self.tree_cache.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        self._reset_kv_state(req)
 
     # ================================================================== run + results
     def run_batch(self, batch: ScheduleBatch) -> None:
@@ -442,17 +339,17 @@ class Scheduler(SchedulerOutputMixin):
             if req.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
             elif not req.finished:
-                req.check_finished(self.tokenizer, self.context_len)
+                self._check_finished(req)
             if req.finished:
-                self.tree_cache.cache_finished_req(req)
+                self.kv.cache(req, finished=True)
                 finished.append(req)
             else:
                 # Insert the prompt now, so requests arriving meanwhile share it.
-                self.tree_cache.cache_unfinished_req(req)
+                self.kv.cache(req, finished=False)
                 self.running.append(req)
         if batch.chunked_req is not None:
             req = batch.chunked_req
-            self.tree_cache.cache_unfinished_req(req)
+            self.kv.cache(req, finished=False)
             req.fill_ids = req.origin_input_ids + req.output_ids
         self._send_outputs([batch.reqs[i] for i in done])
 
@@ -460,7 +357,7 @@ class Scheduler(SchedulerOutputMixin):
         next_ids = self.model_runner.sample(logits, batch.reqs, self.eos_token_ids)
         for req, tok in zip(batch.reqs, next_ids):
             req.output_ids.append(tok)
-            req.check_finished(self.tokenizer, self.context_len)
+            self._check_finished(req)
         self._gen_tokens_since_log += len(batch.reqs)
         self._decode_steps += 1
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
@@ -469,11 +366,21 @@ class Scheduler(SchedulerOutputMixin):
         if self._decode_steps % self.server_args.decode_log_interval == 0:
             self._log_decode()
 
+    def _check_finished(self, req: Req) -> None:
+        """`req.check_finished`, isolated: if it raises (a stop-string decode of a bad id,
+        say), only this request ends, with a 500 error; the batch's others go on."""
+        try:
+            req.check_finished(self.tokenizer, self.context_len)
+        except Exception as e:  # any failure of one request's update is that request's alone
+            logger.exception("request %s: checking its stop conditions failed", req.rid)
+            req.abort(f"Internal error while processing the output: {type(e).__name__}: {e}",
+                      status_code=500)
+
     def _reap_finished_running(self) -> None:
         still = []
         for req in self.running:
             if req.finished:
-                self.tree_cache.cache_finished_req(req)
+                self.kv.cache(req, finished=True)
                 if req.finished_reason["type"] == "abort":
                     self._send_outputs([req])
             else:

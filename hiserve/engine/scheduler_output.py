@@ -33,8 +33,8 @@ class SchedulerOutputMixin:
             out.finished_reasons.append(req.finished_reason)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(n_report)
-            out.cached_tokens_device.append(req.cached_tokens_device)
-            out.cached_tokens_host.append(req.cached_tokens_host)
+            out.cached_tokens_device.append(req.kv.cached_tokens_device)
+            out.cached_tokens_host.append(req.kv.cached_tokens_host)
         if out.rids:
             self._emit(out)
 
@@ -48,18 +48,18 @@ class SchedulerOutputMixin:
         s = self.stats
         s.num_running_reqs = len(self.running)
         s.num_queue_reqs = len(self.waiting_queue)
-        s.num_used_tokens = self.max_total_num_tokens - self.allocator.available_size()
+        kv = self.kv.stats()
+        s.num_used_tokens = self.max_total_num_tokens - kv.available
         s.token_usage = s.num_used_tokens / self.max_total_num_tokens
-        if self.server_args.enable_hierarchical_cache:
-            tc = self.tree_cache
-            s.hicache_host_used_tokens = tc.host_used_size()
-            s.hicache_host_total_tokens = tc.host_total_size()
-            s.backed_up_tokens_total = tc.backed_up_tokens_total
-            s.loaded_back_tokens_total = tc.loaded_back_tokens_total
+        if self.kv.is_hierarchical:
+            s.hicache_host_used_tokens = kv.host_used
+            s.hicache_host_total_tokens = kv.host_total
+            s.backed_up_tokens_total = kv.backed_up_tokens_total
+            s.loaded_back_tokens_total = kv.loaded_back_tokens_total
         return s
 
     def _log_prefill(self, reqs: list[Req], extend_lens: list[int]) -> None:
-        cached = sum(len(r.prefix_indices) for r in reqs)
+        cached = sum(r.kv.prefix_len for r in reqs)
         self._update_stats()
         logger.info("Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                     "#running-req: %d, #queue-req: %d", len(reqs), sum(extend_lens), cached,

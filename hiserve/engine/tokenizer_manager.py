@@ -371,26 +371,46 @@ class TokenizerManager:
             st = self.rid_to_state.get(rid)
             if st is None:  # aborted here already
                 continue
-            new_ids = out.new_output_ids[i]
-            if new_ids and st.log_metrics:
-                if st.first_token_at is None:
-                    self.metrics.ttft.observe(now - st.created)
-                else:
-                    self.metrics.itl.observe((now - st.last_token_at) / len(new_ids))
-            st.prompt_tokens = out.prompt_tokens[i]
-            st.completion_tokens = out.completion_tokens[i]
-            st.cached_device = out.cached_tokens_device[i]
-            st.cached_host = out.cached_tokens_host[i]
-            st.update(new_ids, out.finished_reasons[i], now)
-            st.dirty = True
-            if st.finished:
-                del self.rid_to_state[rid]
-                if st.log_metrics:
-                    self.metrics.observe_finished(
-                        st.prompt_tokens, st.completion_tokens, st.cached_device, st.cached_host,
-                        now - st.created, aborted=st.finish_reason["type"] == "abort")
-            if st.stream or st.finished:
-                st.event.set()
+            try:
+                self._apply_output(st, out, i, now)
+            except Exception as e:  # one request's bad update must not stall the others
+                logger.exception("request %s: processing its output failed", rid)
+                self._fail(rid, st, out.finished_reasons[i] is None, now,
+                           f"Internal error while processing the output: {type(e).__name__}: {e}")
+
+    def _apply_output(self, st: ReqState, out: BatchTokenIDOut, i: int, now: float) -> None:
+        new_ids = out.new_output_ids[i]
+        if new_ids and st.log_metrics:
+            if st.first_token_at is None:
+                self.metrics.ttft.observe(now - st.created)
+            else:
+                self.metrics.itl.observe((now - st.last_token_at) / len(new_ids))
+        st.prompt_tokens = out.prompt_tokens[i]
+        st.completion_tokens = out.completion_tokens[i]
+        st.cached_device = out.cached_tokens_device[i]
+        st.cached_host = out.cached_tokens_host[i]
+        st.update(new_ids, out.finished_reasons[i], now)
+        st.dirty = True
+        if st.finished:
+            del self.rid_to_state[out.rids[i]]
+            if st.log_metrics:
+                self.metrics.observe_finished(
+                    st.prompt_tokens, st.completion_tokens, st.cached_device, st.cached_host,
+                    now - st.created, aborted=st.finish_reason["type"] == "abort")
+        if st.stream or st.finished:
+            st.event.set()
+
+    def _fail(self, rid: str, st: ReqState, still_running: bool, now: float, message: str) -> None:
+        """End one request with a 500 error object (and stop it in the scheduler)."""
+        st.finish_reason = {"type": "abort", "message": message, "status_code": 500,
+                            "err_type": "InternalServerError"}
+        st.final_text = st.detok.text
+        st.finished_at = now
+        st.dirty = True
+        self.rid_to_state.pop(rid, None)
+        if still_running:
+            self._send(AbortReq(rid=rid))
+        st.event.set()
 
     # ------------------------------------------------------------------ control
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:

@@ -50,6 +50,11 @@ class ReqToTokenPool:
         self.padding_row: int | None = size if padding_row else None
         rows = size + 1 if padding_row else size
         self.req_to_token = torch.zeros((rows, max_context_len), dtype=torch.int32, device=self.device)
+        # The scheduler reads slots back (last_loc, a finished request's slots) from a CPU
+        # mirror: reading the device table would block on every kernel queued before it.
+        self.req_to_token_cpu = (self.req_to_token if self.device.type == "cpu"
+                                 else torch.zeros_like(self.req_to_token, device="cpu"))
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat positions, slots)
         self.free_slots: list[int] = list(range(size))
 
     def alloc(self, n: int = 1) -> list[int] | None:
@@ -70,16 +75,63 @@ class ReqToTokenPool:
         """Number of free rows."""
         return len(self.free_slots)
 
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Set positions `start .. start+len(slots)-1` of `row` to `slots` (integer CPU `[n]`).
+
+        The CPU mirror changes now; on a CUDA pool the device table changes at the next
+        `flush()` (one copy for all writes staged since the last flush).
+        """
+        n = len(slots)
+        if n == 0:
+            return
+        self.req_to_token_cpu[row, start:start + n] = slots
+        if self.req_to_token_cpu is not self.req_to_token:
+            flat = torch.arange(start, start + n, dtype=torch.int64) + row * self.max_context_len
+            self._staged.append((flat, slots.to(torch.int32)))
+
+    def write_positions(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """Set `req_to_token[rows[i], positions[i]] = slots[i]` (one position per request, as a
+        decode step needs); staged for the device like `write`."""
+        if not rows:
+            return
+        flat = torch.tensor(rows, dtype=torch.int64) * self.max_context_len + torch.tensor(
+            positions, dtype=torch.int64)
+        self.req_to_token_cpu.view(-1)[flat] = slots.to(torch.int32)
+        if self.req_to_token_cpu is not self.req_to_token:
+            self._staged.append((flat, slots.to(torch.int32)))
+
+    def flush(self) -> None:
+        """Apply the staged writes to the device table (no-op on the CPU).
+
+        The indices travel through pinned memory with non-blocking copies, so the host does
+        not wait for the kernels queued before them; kernels queued after see the writes.
+        """
+        if not self._staged:
+            return
+        flat = torch.cat([f for f, _ in self._staged]).pin_memory()
+        vals = torch.cat([v for _, v in self._staged]).pin_memory()
+        self._staged = []
+        dev = self.req_to_token.device
+        self.req_to_token.view(-1).index_copy_(0, flat.to(dev, non_blocking=True),
+                                               vals.to(dev, non_blocking=True))
+
+    def slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """int64 CPU `[end - start]`: the slots of positions start..end-1 of `row`."""
+        return self.req_to_token_cpu[row, start:end].to(torch.int64)
+
     def clear(self) -> None:
-        """Mark every row free."""
+        """Mark every row free (staged writes are dropped: their rows are free too)."""
         self.free_slots = list(range(self.size))
+        self._staged = []
 
 
 class TokenToKVPoolAllocator:
     """Page-granular allocator of device KV slots.
 
-    Free pages live in an int64 tensor on the pool's device; allocations take from
-    its front, so a fresh pool hands out ascending, contiguous pages. Freed pages go
+    Free pages live in an int64 CPU tensor and slots are handed out as int64 CPU
+    tensors whatever the pool's device: the scheduler's bookkeeping then never waits
+    for the device (the caller copies a batch's slots to the device once). Allocations
+    take from its front, so a fresh pool hands out ascending, contiguous pages. Freed pages go
     to a side list and are appended, sorted, only when the front runs short (FIFO
     between batches of frees, ascending within one): freeing is O(1) Python work and
     allocation is a slice, so neither costs a per-token Python loop. All sizes in
@@ -89,7 +141,7 @@ class TokenToKVPoolAllocator:
         size: device pool capacity in tokens; `size // page_size` real pages
             (pages 1..num_pages; page 0 is padding).
         page_size: tokens per page.
-        device: where slot tensors live (the KV pool's device).
+        device: the KV pool's device (slot tensors themselves are always on the CPU).
         kvcache: the device KV pool these slots index, kept for callers that reach
             the pool through the allocator.
     """
@@ -119,7 +171,7 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         """Mark every real page free (pages 1..num_pages) and drop any open free group."""
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
         self._released_pages: list[torch.Tensor] = []
         self._num_released_pages = 0
         self._free_group: list[torch.Tensor] | None = None
@@ -153,7 +205,7 @@ class TokenToKVPoolAllocator:
         """int64 [n] page ids -> int64 [n * page_size] slots, page by page in order."""
         if self.page_size == 1:
             return pages
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     # ---- allocation ---------------------------------------------------------------
@@ -161,7 +213,7 @@ class TokenToKVPoolAllocator:
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Slots of `need_size // page_size` whole new pages.
 
-        Returns int64 `[need_size]` on `device`, ascending within each page; None
+        Returns int64 CPU `[need_size]`, ascending within each page; None
         (nothing taken) if not enough pages are free.
         Raises ValueError if `need_size` is not a multiple of page_size.
         """
@@ -184,7 +236,7 @@ class TokenToKVPoolAllocator:
         `prefix_len - 1` (slot `last_loc[i]`; -1 when prefix_len == 0), then takes new
         pages. Lengths are token counts.
 
-        Returns int64 `[sum(seq_lens) - sum(prefix_lens)]` on `device`, requests
+        Returns int64 CPU `[sum(seq_lens) - sum(prefix_lens)]`, requests
         concatenated in order; None (nothing taken) if not enough pages are free.
         """
         if self.page_size == 1:
@@ -200,21 +252,21 @@ class TokenToKVPoolAllocator:
         if pages is None:
             return None
         if num_tokens == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
+            return torch.empty(0, dtype=torch.int64)
 
         # Vectorised per-token gather. For output token j of request r at local index t:
         #   t <  fill_r : slot = last_loc_r + 1 + t                       (its partially used page)
         #   t >= fill_r : slot = new_slots[page_start_r * P - fill_r + t] (its new pages)
         def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return torch.tensor(values, dtype=torch.int64)
 
         out_starts = as_tensor([0, *accumulate(extend_lens)][:-1])
         fill = as_tensor(fill_lens)
-        partial_base = torch.as_tensor(last_loc, dtype=torch.int64).to(self.device) + 1
+        partial_base = torch.as_tensor(last_loc, dtype=torch.int64) + 1
         req = torch.repeat_interleave(
-            torch.arange(len(extend_lens), device=self.device), as_tensor(extend_lens), output_size=num_tokens
+            torch.arange(len(extend_lens)), as_tensor(extend_lens), output_size=num_tokens
         )
-        t = torch.arange(num_tokens, dtype=torch.int64, device=self.device) - out_starts[req]
+        t = torch.arange(num_tokens, dtype=torch.int64) - out_starts[req]
         from_partial = partial_base[req] + t
         if len(pages) == 0:
             return from_partial
@@ -229,7 +281,7 @@ class TokenToKVPoolAllocator:
         `last_loc[i]` is the slot of position `seq_len - 2`. A new page is taken only
         for requests whose new position starts a page.
 
-        Returns int64 `[len(seq_lens)]` on `device`; None (nothing taken) if not
+        Returns int64 CPU `[len(seq_lens)]`; None (nothing taken) if not
         enough pages are free.
         """
         if self.page_size == 1:
@@ -238,30 +290,40 @@ class TokenToKVPoolAllocator:
         pages = self._take_pages(len(needs_page))
         if pages is None:
             return None
-        out = torch.as_tensor(last_loc, dtype=torch.int64).to(self.device) + 1
+        out = torch.as_tensor(last_loc, dtype=torch.int64) + 1
         if needs_page:
-            out[torch.tensor(needs_page, dtype=torch.int64, device=self.device)] = pages * self.page_size
+            out[torch.tensor(needs_page, dtype=torch.int64)] = pages * self.page_size
         return out
 
     # ---- freeing ------------------------------------------------------------------
 
     def free(self, indices: torch.Tensor) -> None:
-        """Free the pages that contain these slots (integer tensor `[n]`, any device).
+        """Free the pages that contain these slots (integer tensor `[n]`, CPU preferred: a
+        device tensor costs a synchronising copy).
 
-        The caller must own every slot of those pages; a partial page (e.g. the
-        unaligned tail of a request) frees the whole page. Inside a free group the
-        work is deferred to `free_group_end()`.
+        `indices` must be whole runs of a request's positions that start at a page boundary
+        (a node's slots, a request's pages from an aligned position on, its unaligned
+        tail): then every `page_size`-th slot starts a new page, which names the pages
+        without sorting or `unique`. The caller must own every slot of those pages; a
+        partial tail page frees the whole page. Inside a free group the pages are held
+        back until `free_group_end()`.
+
+        Raises:
+            ValueError: a slot expected to start a page does not (the run was not aligned).
         """
         if indices.numel() == 0:
             return
-        if self._free_group is not None:
-            self._free_group.append(indices)
-            return
-        indices = indices.to(self.device, torch.int64)
+        indices = indices.to("cpu", torch.int64)
         if self.page_size == 1:
             pages = indices.clone()
         else:
-            pages = torch.unique(indices // self.page_size)
+            firsts = indices[:: self.page_size]
+            if bool((firsts % self.page_size).any()):
+                raise ValueError("free() needs runs of slots that start at page boundaries")
+            pages = firsts // self.page_size
+        if self._free_group is not None:
+            self._free_group.append(pages)
+            return
         self._released_pages.append(pages)
         self._num_released_pages += len(pages)
 
@@ -275,7 +337,7 @@ class TokenToKVPoolAllocator:
         self._free_group_depth += 1
 
     def free_group_end(self) -> None:
-        """Close a group; the outermost close frees everything collected in one call.
+        """Close a group; the outermost close releases everything collected.
 
         Raises RuntimeError without a matching `free_group_begin()`.
         """
@@ -285,5 +347,10 @@ class TokenToKVPoolAllocator:
         if self._free_group_depth > 0:
             return
         group, self._free_group = self._free_group, None
-        if group:
-            self.free(torch.cat([g.to(self.device, torch.int64) for g in group]))
+        for pages in group:
+            self._released_pages.append(pages)
+            self._num_released_pages += len(pages)
+
+    def free_page_ids(self) -> torch.Tensor:
+        """int64 CPU: every free page id (for integrity checks; not on a hot path)."""
+        return torch.cat([self._free_pages, *self._released_pages])

@@ -18,42 +18,39 @@ Write policies (`--hicache-write-policy`), i.e. when a node gets its host copy:
   alike), every node on the inserted path that is not backed up is written, so a long
   chunked prompt ends up on the host chunk by chunk. (SGLang's threshold of 1 hit.)
 * `write_through_selective`: a node is written once it has been hit >= 2 times. A *hit* is
-  one request finishing (or being retracted) with that node on its path, counted in
-  `cache_finished_req` only: the per-chunk and after-prefill inserts of a request re-walk
-  its own nodes and are not reuse, so they count nothing. A node therefore reaches 2 when a
-  second request that used it finishes.
+  one request finishing (or being retracted) with that node on its path: an insert with
+  `hit=True`, which the KV manager passes only then; the per-chunk and after-prefill inserts
+  of a request re-walk its own nodes and are not reuse, so they count nothing. A node
+  therefore reaches 2 when a second request that used it finishes.
 * `write_back`: nothing is written until device eviction picks a node that is not
   backed up; it is written then and turned host-only.
 
-Lock discipline (`lock_ref`, counted along the path to the root, as in RadixCache):
+Locks and transfers:
 
-* a write started by write_through(_selective) locks its node until the write's ack
-  (`check_hicache_events`), so its device slots cannot be evicted and reused mid-copy;
-  a request finishing or aborting meanwhile only drops its own lock.
-* a write started by device eviction (write_back) takes no lock: the node's device slots
-  are freed at once and, on CUDA, the compute stream is made to wait for the write
-  (`order_compute_after_writes`) before anything can reuse them.
-* a load-back locks the loaded chain until the load's ack; while a load-back allocates
-  (and maybe evicts) it also locks the device ancestor and pins the host-only chain
-  (`host_ref`) against host eviction.
+* a write (backup) takes no lock. If device eviction picks a node whose write is still in
+  flight, the node turns host-only at once but its device slots wait on a pending list
+  until the write's ack (`poll`), so nothing can overwrite them mid-copy and the compute
+  stream never waits for a write.
+* a load-back locks the loaded chain's last node until the load's ack, and the load waits
+  (on its own stream) for any write of the same host pages still in flight. While the
+  KV manager allocates device slots for a load-back, the host-only chain is pinned
+  (`host_ref`) so host eviction cannot drop it.
 
 Host-only nodes are never locked: locks are taken on device nodes and walk upwards only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
-from typing import TYPE_CHECKING
+from typing import Iterator
 
 import torch
 
-from hiserve.mem_cache.cache_controller import HiCacheController
-from hiserve.mem_cache.radix_cache import CacheableReq, RadixCache, TreeNode
-
-if TYPE_CHECKING:
-    from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
-    from hiserve.mem_cache.memory_pool_host import HostKVCache
+from hiserve.mem_cache.cache_controller import CacheAck, HiCacheController
+from hiserve.mem_cache.prefix_cache import InsertResult, PrefixHandle, empty_slots
+from hiserve.mem_cache.radix_cache import RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -83,38 +80,32 @@ class HiRadixCache(RadixCache):
     """RadixCache whose evicted prefixes survive in a host pool and can be loaded back.
 
     Args:
-        req_to_token_pool, token_to_kv_pool_allocator, page_size: as RadixCache (the
-            allocator must know its device pool: `get_kvcache()`).
-        mem_pool_host: the host pool backing the allocator's device pool.
+        page_size: tokens per page (both pools use it).
+        cache_controller: moves pages between the device pool and its host pool.
         write_policy: `write_through`, `write_through_selective` or `write_back`.
-        io_backend: `kernel` or `direct` (host pool transfer functions).
         load_back_threshold: host hits shorter than this many tokens are recomputed.
     Attributes:
-        cache_controller: the HiCacheController moving the pages.
+        mem_pool_host: the host pool (the controller's).
         backed_up_tokens_total, loaded_back_tokens_total: counters since start (metrics).
     """
 
     def __init__(
         self,
-        req_to_token_pool: "ReqToTokenPool",
-        token_to_kv_pool_allocator: "TokenToKVPoolAllocator",
         page_size: int,
-        mem_pool_host: "HostKVCache",
+        cache_controller: HiCacheController,
         write_policy: str = "write_through",
-        io_backend: str = "kernel",
         load_back_threshold: int = DEFAULT_LOAD_BACK_THRESHOLD,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
-        self.mem_pool_host = mem_pool_host
+        self.cache_controller = cache_controller
+        self.mem_pool_host = cache_controller.mem_pool_host
         self.write_policy = write_policy
-        self.load_back_threshold = load_back_threshold
-        self.cache_controller = HiCacheController(
-            token_to_kv_pool_allocator, mem_pool_host, page_size, io_backend)
+        self.load_back_threshold = max(load_back_threshold, 1)
         self.backed_up_tokens_total = 0
         self.loaded_back_tokens_total = 0
         self._counting_hits = False
-        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, disable=False)
+        super().__init__(page_size)
 
     # ---- state ----------------------------------------------------------------------
 
@@ -126,8 +117,10 @@ class HiRadixCache(RadixCache):
         self.cache_controller.reset()
         self.mem_pool_host.clear()
         super().reset()
-        self.ongoing_write_through: dict[int, TreeNode] = {}
-        self.ongoing_load_back: dict[int, TreeNode] = {}
+        self._writing: dict[int, tuple[TreeNode, CacheAck]] = {}  # node id -> its write
+        self._loading: dict[int, TreeNode] = {}  # node id -> loaded chain end (locked)
+        self._pending: list[tuple[CacheAck, torch.Tensor]] = []  # evicted mid-write
+        self._pending_tokens = 0
 
     def host_total_size(self) -> int:
         """Host slots of the pool."""
@@ -137,25 +130,39 @@ class HiRadixCache(RadixCache):
         """Host slots in use (held by tree nodes)."""
         return self.mem_pool_host.size - self.mem_pool_host.available_size()
 
+    def pending_slots(self) -> int:
+        return self._pending_tokens
+
+    def pending_indices(self) -> torch.Tensor:
+        return torch.cat([s for _, s in self._pending]) if self._pending else empty_slots()
+
     def _new_node(self) -> TreeNode:
         return HiTreeNode()
 
     def _split_node(self, node: TreeNode, split_len: int) -> TreeNode:
         """As RadixCache's (which also splits host_value); both halves keep hit_count and
-        host_ref too (a node in flight keeps its id: the lower half)."""
+        host_ref. A node in flight keeps its id (the lower half), so the upper half joins
+        its transfer's bookkeeping too."""
         upper = super()._split_node(node, split_len)
         upper.hit_count = node.hit_count
         upper.host_ref = node.host_ref
+        if node.id in self._writing:
+            self._writing[upper.id] = (upper, self._writing[node.id][1])
         return upper
 
-    # ---- match and insert -----------------------------------------------------------
+    # ---- insert ---------------------------------------------------------------------
 
-    # match_prefix and insert are RadixCache's: they already walk through host-only nodes
-    # (match counts them as host hits, insert gives them the caller's device slots back).
+    def insert(self, key: list[int], slots: torch.Tensor, hit: bool = False) -> InsertResult:
+        """As RadixCache's; `hit`: this insert ends a request's use of the prefix (a
+        finished or retracted request), which counts one hit on every node of its path."""
+        self._counting_hits = hit
+        try:
+            return super().insert(key, slots)
+        finally:
+            self._counting_hits = False
 
     def _after_insert(self, path: list[TreeNode]) -> None:
-        """Count hits (only during cache_finished_req's insert), then back up what the
-        write policy wants (see the module docstring)."""
+        """Count hits, then back up what the write policy wants (module docstring)."""
         if self._counting_hits:
             for n in path:
                 n.hit_count += 1
@@ -165,158 +172,142 @@ class HiRadixCache(RadixCache):
             self._backup_nodes(
                 [n for n in path if not n.backuped and n.hit_count >= SELECTIVE_WRITE_THRESHOLD])
 
-    def cache_finished_req(self, req: CacheableReq) -> None:
-        """As RadixCache's; this insert is the one that counts hits (one per request)."""
-        self._counting_hits = True
-        try:
-            super().cache_finished_req(req)
-        finally:
-            self._counting_hits = False
-
     # ---- write (backup) -------------------------------------------------------------
 
     def _backup_nodes(self, nodes: list[TreeNode]) -> None:
         for node in nodes:
-            if not self._write_backup(node, lock=True):
+            if not self._write_backup(node):
                 break  # the host pool is full of pinned / device-resident copies
 
-    def _write_backup(self, node: TreeNode, lock: bool) -> bool:
+    def _write_backup(self, node: TreeNode) -> bool:
         """Start writing `node`'s device KV to the host; False if no host room even after
-        host eviction. With `lock`, the node stays locked until the write's ack."""
+        host eviction."""
         assert node.value is not None and node.host_value is None
         n = len(node.value)
-        host_indices = self.cache_controller.write(node.value, node.id)
-        if host_indices is None:
+        started = self.cache_controller.write(node.value, node.id)
+        if started is None:
             self.evict_host(n)
-            host_indices = self.cache_controller.write(node.value, node.id)
-        if host_indices is None:
+            started = self.cache_controller.write(node.value, node.id)
+        if started is None:
             return False
-        node.host_value = host_indices
+        node.host_value, ack = started
+        self._writing[node.id] = (node, ack)
         self.backed_up_tokens_total += n
-        if lock:
-            self.inc_lock_ref(node)
-            self.ongoing_write_through[node.id] = node
         return True
 
     # ---- acks -----------------------------------------------------------------------
 
-    def check_hicache_events(self) -> None:
-        """Process finished writes and loads: release the locks taken for them. Call every
-        scheduler iteration (decode-only ones too), or write locks pile up."""
-        self.writing_check()
-        self.loading_check()
-
-    def writing_check(self) -> None:
-        for ack in self.cache_controller.poll_write_acks():
-            for node_id in ack.node_ids:
-                node = self.ongoing_write_through.pop(node_id, None)
-                if node is not None:  # None: an unlocked write-back from eviction
-                    self.dec_lock_ref(node)
-
-    def loading_check(self) -> None:
+    def poll(self) -> torch.Tensor:
+        """Process finished writes and loads (call every scheduler iteration): unlock
+        loaded chains and return the device slots of nodes evicted mid-write whose write
+        has now finished (int64 CPU), for the caller to free."""
+        finished = {id(ack) for ack in self.cache_controller.poll_write_acks()}
+        if finished:  # a split node's upper half shares its lower half's write
+            self._writing = {k: v for k, v in self._writing.items() if id(v[1]) not in finished}
         for ack in self.cache_controller.poll_load_acks():
             for node_id in ack.node_ids:
-                node = self.ongoing_load_back.pop(node_id, None)
+                node = self._loading.pop(node_id, None)
                 if node is not None:
-                    self.dec_lock_ref(node)
+                    self._dec_lock_ref(node)
+        return self._release_pending(wait=False)
+
+    def _release_pending(self, wait: bool) -> torch.Tensor:
+        """Slots of evicted nodes whose write has finished; with `wait`, block for all."""
+        free, keep = [], []
+        for ack, slots in self._pending:
+            if wait:
+                ack.synchronize()
+            (free if wait or ack.done() else keep).append((ack, slots))
+        self._pending = keep
+        self._pending_tokens = sum(len(s) for _, s in keep)
+        return torch.cat([s for _, s in free]) if free else empty_slots()
+
+    def wait_pending(self) -> torch.Tensor:
+        """Block until every write of an evicted node has finished; returns their slots
+        (the caller frees them). Used only when the allocator is short without them."""
+        return self._release_pending(wait=True)
 
     # ---- load-back ------------------------------------------------------------------
 
-    def init_load_back(
-        self, last_host_node: TreeNode, host_hit_length: int, mem_quota: int | None = None
-    ) -> tuple[torch.Tensor, TreeNode]:
-        """Load the host-only chain ending at `last_host_node` back to the device.
-
-        All or nothing: skipped (returns an empty tensor and the deepest device node) when
-        the chain is shorter than `load_back_threshold`, longer than `mem_quota` tokens, or
-        device slots cannot be found even after evicting. Otherwise returns the new device
-        slots of the chain (in order) and `last_host_node`, which now holds device slots and
-        stays locked until the load's ack. The copy itself starts at the next
-        `ready_to_load_host_cache()`.
-        """
-        chain, node = [], last_host_node
+    def _host_chain(self, host_handle: PrefixHandle) -> list[TreeNode]:
+        chain, node = [], host_handle._node
         while node.evicted:
             chain.append(node)
             node = node.parent
-        ancestor = node
-        chain.reverse()
-        n = sum(len(c.host_value) for c in chain)  # == host_hit_length of the match that found it
-        if not chain or n < max(self.load_back_threshold, 1) or (mem_quota is not None and n > mem_quota):
-            return self._empty_indices(), ancestor
+        return chain[::-1]
 
-        host_indices = torch.cat([c.host_value for c in chain])
-        self.inc_lock_ref(ancestor)
+    @contextlib.contextmanager
+    def pinned(self, host_handle: PrefixHandle) -> Iterator[None]:
+        """Keep the host-only chain ending at `host_handle` out of host eviction meanwhile."""
+        chain = self._host_chain(host_handle)
         for c in chain:
             c.host_ref += 1
         try:
-            device_indices = self.cache_controller.load(host_indices, last_host_node.id)
-            if device_indices is None:
-                self.evict(n)
-                device_indices = self.cache_controller.load(host_indices, last_host_node.id)
+            yield
         finally:
             for c in chain:
                 c.host_ref -= 1
-            self.dec_lock_ref(ancestor)
-        if device_indices is None:
-            return self._empty_indices(), ancestor
 
+    def load_back(self, host_handle: PrefixHandle, device_indices: torch.Tensor) -> None:
+        """Give the host-only chain ending at `host_handle` the device slots
+        `device_indices` (int64 CPU, one per chain token, allocated by the caller) and queue
+        the copy; the chain's last node stays locked until the load's ack. The copy starts
+        at the next `cache_controller.start_loading()`."""
+        chain = self._host_chain(host_handle)
+        host_indices = torch.cat([c.host_value for c in chain])
+        assert len(host_indices) == len(device_indices), "load-back slots do not cover the chain"
+        writes = [self._writing[c.id][1] for c in chain if c.id in self._writing]
         offset = 0
         for c in chain:
             c.value = device_indices[offset : offset + len(c.host_value)]
             offset += len(c.host_value)
-        self._evictable_size += n
-        self.inc_lock_ref(last_host_node)
-        self.ongoing_load_back[last_host_node.id] = last_host_node
-        self.loaded_back_tokens_total += n
-        return device_indices, last_host_node
-
-    def ready_to_load_host_cache(self) -> int:
-        """Start the queued load-backs (before the forward that reads them); see
-        HiCacheController.start_loading."""
-        return self.cache_controller.start_loading()
+            self._evictable_size += len(c.value)
+        last = host_handle._node
+        self._inc_lock_ref(last)
+        self._loading[last.id] = last
+        self.cache_controller.load(host_indices, device_indices, last.id, after=writes)
+        self.loaded_back_tokens_total += len(device_indices)
 
     # ---- eviction -------------------------------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` device slots, least recently used device leaves first.
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Drop at least `num_tokens` device tokens, least recently used device leaves first.
 
         A device leaf here is an unlocked device node whose children are all host-only.
-        Backed-up nodes become host-only (device slots freed, host copy kept). A node that
-        is not backed up is written first under write_back (or when it has host-only
-        children, which must keep a parent); otherwise, or if the host has no room, it is
-        deleted with any host-only subtree. Nodes whose writes are not acknowledged yet are
-        locked, so acks are processed only by `check_hicache_events`. Returns device tokens freed.
+        Backed-up nodes become host-only (host copy kept). A node that is not backed up is
+        written first under write_back (or when it has host-only children, which must keep
+        a parent); otherwise, or if the host has no room, it is deleted with any host-only
+        subtree. Returns the slots free now (int64 CPU); slots of nodes whose write is
+        still in flight go to the pending list instead (`poll`, `wait_pending`).
         """
         if num_tokens <= 0:
-            return 0
+            return empty_slots()
         heap = [(n.last_access_time, n.id, n) for n in self._device_leaves()]
         heapq.heapify(heap)
-        allocator = self.token_to_kv_pool_allocator
-        num_evicted, wrote = 0, False
-        allocator.free_group_begin()
-        try:
-            while num_evicted < num_tokens and heap:
-                _, _, node = heapq.heappop(heap)
-                if node.evicted or node.lock_ref > 0:
-                    continue
-                if not node.backuped and (self.write_policy == "write_back" or node.children):
-                    wrote |= self._write_backup(node, lock=False)
-                parent = node.parent
-                n = len(node.value)
-                allocator.free(node.value)
-                self._evictable_size -= n
-                num_evicted += n
-                if node.backuped:
-                    node.value = None
-                else:
-                    self._delete_subtree(node)
-                if parent is not self.root_node and self._is_device_leaf(parent):
-                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        finally:
-            if wrote:
-                self.cache_controller.order_compute_after_writes()
-            allocator.free_group_end()
-        return num_evicted
+        free_now: list[torch.Tensor] = []
+        num_evicted = 0
+        while num_evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.evicted or node.lock_ref > 0:
+                continue
+            if not node.backuped and (self.write_policy == "write_back" or node.children):
+                self._write_backup(node)
+            parent, slots = node.parent, node.value
+            self._evictable_size -= len(slots)
+            num_evicted += len(slots)
+            write = self._writing.get(node.id)
+            if write is not None and not write[1].done():
+                self._pending.append((write[1], slots))
+                self._pending_tokens += len(slots)
+            else:
+                free_now.append(slots)
+            if node.backuped:
+                node.value = None
+            else:
+                self._delete_subtree(node)
+            if parent is not self.root_node and self._is_device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return torch.cat(free_now) if free_now else empty_slots()
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
         return (node.value is not None and node.lock_ref == 0
@@ -371,11 +362,30 @@ class HiRadixCache(RadixCache):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return freed
 
+    # ---- integrity ----------------------------------------------------------------
+
+    def check_integrity(self) -> torch.Tensor:
+        """RadixCache's checks, plus the host tier: host slots held by nodes are distinct,
+        page-aligned runs, and together with the host pool's free slots cover the pool
+        exactly; no host pin (`host_ref`) outlives its load-back set-up."""
+        owned = super().check_integrity()
+        host = [n.host_value for n in self._nodes() if n.host_value is not None]
+        for n in self._nodes():
+            assert n.host_ref == 0, f"{n} is still pinned on the host"
+            if n.host_value is not None:
+                assert len(n.host_value) == len(n.key), f"{n}: {len(n.host_value)} host slots"
+        host_slots = torch.cat(host) if host else empty_slots()
+        assert len(torch.unique(host_slots)) == len(host_slots), "a host slot held by two nodes"
+        in_use = self.mem_pool_host.size - self.mem_pool_host.available_size()
+        assert in_use == len(host_slots), \
+            f"host pool has {in_use} slots in use but the tree holds {len(host_slots)}"
+        return owned
+
     # ---- debugging ------------------------------------------------------------------
 
     def format_tree(self) -> str:
         lines = [f"root  device={self.total_size()} evictable={self._evictable_size} "
-                 f"protected={self._protected_size} "
+                 f"protected={self._protected_size} pending={self._pending_tokens} "
                  f"host_used={self.host_used_size()}/{self.host_total_size()}"]
         stack = [(c, 1) for c in reversed(list(self.root_node.children.values()))]
         while stack:

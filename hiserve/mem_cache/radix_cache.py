@@ -5,17 +5,9 @@ Each edge (node) holds a run of token ids (`key`) and the device slots of their 
 multiple of page_size and nodes split only at page boundaries, so a node always
 owns whole pages.
 
-Ownership of a request's slots (row `req_to_token[req.req_pool_idx]`):
-
-    positions  [0 ............ cached_len) [cached_len ....... aligned_len) [aligned_len .. n)
-    owner       the tree (locked via        the request; on cache_*_req      the request (the
-                req.last_node)              it is inserted: the part the     unaligned tail; never
-                                            tree already had is freed as a   in the tree)
-                                            duplicate, the rest moves to
-                                            the tree
-
-`cached_len` is `len(req.prefix_indices)` rounded down to a page: after a chunk,
-`prefix_indices` also carries the request's own unaligned tail.
+Slots are int64 CPU tensors (the allocator's). The tree implements the prefix-cache
+contract (prefix_cache.py): it never frees a slot itself, and knows nothing of requests;
+the KV manager (kv_manager.py) decides which of a request's slots go into it.
 
 A node with `lock_ref > 0` is in use by some request and is never evicted; `lock_ref`
 is counted along the whole path (inc/dec walk to the root). `evictable_size()` and
@@ -27,13 +19,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
+from hiserve.mem_cache.prefix_cache import (
+    InsertResult,
+    MatchResult,
+    PrefixCache,
+    PrefixHandle,
+    empty_slots,
+)
 
 
 ChildKey = int | tuple[int, ...]
@@ -52,7 +47,8 @@ class TreeNode:
         value: int64 device slots `[len(key)]`, or None when the KV is not on the device
             (only a host-tier subclass creates such nodes).
         host_value: int64 host slots, reserved for the host tier (always None here).
-        lock_ref: requests (and later transfers) pinning this node on the device.
+        lock_ref: requests and transfers pinning this node on the device (counted along
+            the path: every lock of a descendant counts here too).
         last_access_time: `time.monotonic()` of the last match/insert through it (LRU key).
         id: monotonic creation number, unique per process.
     """
@@ -79,35 +75,6 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-@dataclass
-class MatchResult:
-    """What `match_prefix` found.
-
-    Attributes:
-        device_indices: int64 `[matched tokens]` device slots of the matched prefix.
-        last_device_node: deepest matched node whose KV is on the device.
-        last_host_node: deepest matched node with a host copy (equals
-            last_device_node while no host tier exists).
-        host_hit_length: matched tokens past last_device_node that are only on host.
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    host_hit_length: int = 0
-
-
-class CacheableReq(Protocol):
-    """The request fields the cache reads and writes (the scheduler's `Req` has more)."""
-
-    origin_input_ids: list[int]
-    output_ids: list[int]
-    fill_ids: list[int]
-    req_pool_idx: int
-    prefix_indices: torch.Tensor
-    last_node: Any
-
-
 def _match_len(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token lists (compared 64 tokens at a time)."""
     n = min(len(a), len(b))
@@ -121,36 +88,23 @@ def _match_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-class RadixCache:
-    """Radix tree of cached prefixes whose KV lives in the device pool.
+class RadixCache(PrefixCache):
+    """Radix tree of cached prefixes whose KV lives in the device pool (the prefix-cache
+    contract of prefix_cache.py).
+
+    Slots are int64 CPU tensors throughout (the allocator's); the tree never frees a slot
+    itself: `insert` says which of the caller's slots are duplicates and `evict` returns
+    the slots it dropped, and the caller (the KV manager) frees them.
 
     Args:
-        req_to_token_pool: request rows (read by cache_*_req, written by cache_unfinished_req).
-        token_to_kv_pool_allocator: where duplicate, tail and evicted slots are freed.
         page_size: tokens per page; matches and inserts are page-aligned.
-        disable: behave as a plain chunk cache (no sharing; see each method).
     """
 
-    def __init__(
-        self,
-        req_to_token_pool: "ReqToTokenPool",
-        token_to_kv_pool_allocator: "TokenToKVPoolAllocator",
-        page_size: int,
-        disable: bool = False,
-    ) -> None:
-        if page_size <= 0:
-            raise ValueError(f"page_size must be > 0, got {page_size}")
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = page_size
-        self.disable = disable
-        self.device = token_to_kv_pool_allocator.device
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
         self.reset()
 
     # ---- helpers ------------------------------------------------------------------
-
-    def _empty_indices(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.device)
 
     def _child_key(self, key: list[int]) -> ChildKey:
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
@@ -163,11 +117,15 @@ class RadixCache:
         """Every node of the tree is made here, so a subclass's tree holds its own node type."""
         return TreeNode()
 
+    @staticmethod
+    def _handle(node: TreeNode, cached_len: int) -> PrefixHandle:
+        return PrefixHandle(cached_len, node)
+
     def _split_node(self, node: TreeNode, split_len: int) -> TreeNode:
         """Cut `node` after `split_len` tokens; returns the new upper node.
 
-        The original object keeps the lower part, so a request whose `last_node` is
-        `node` still ends at the same place; both halves keep `node`'s lock_ref.
+        The original object keeps the lower part, so a handle on `node` still ends at the
+        same place; both halves keep `node`'s lock_ref.
         """
         upper = self._new_node()
         upper.parent = node.parent
@@ -189,42 +147,44 @@ class RadixCache:
     # ---- sizes and locks ----------------------------------------------------------
 
     def reset(self) -> None:
-        """Drop the whole tree and zero the counters.
-
-        Does not free any slot: callers reset together with `allocator.clear()`
-        (flush), or evict everything first.
-        """
+        """Drop the whole tree and zero the counters (slots are not freed: the caller
+        clears the allocator, or evicts everything first)."""
         self.root_node = self._new_node()
-        self.root_node.value = self._empty_indices()
+        self.root_node.value = empty_slots()
         self.root_node.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
 
     def evictable_size(self) -> int:
-        """Tokens in unlocked nodes (free-able by `evict`)."""
         return self._evictable_size
 
     def protected_size(self) -> int:
-        """Tokens in nodes locked by running requests."""
         return self._protected_size
 
     def total_size(self) -> int:
         """Tokens whose KV the tree holds on the device."""
-        total, stack = 0, [self.root_node]
+        return sum(len(n.value) for n in self._nodes() if n.value is not None)
+
+    def _nodes(self) -> list[TreeNode]:
+        """Every node but the root."""
+        out, stack = [], list(self.root_node.children.values())
         while stack:
             node = stack.pop()
-            if node.value is not None:
-                total += len(node.value)
+            out.append(node)
             stack.extend(node.children.values())
-        return total
+        return out
 
-    def inc_lock_ref(self, node: TreeNode) -> int:
+    def lock(self, handle: PrefixHandle) -> None:
+        self._inc_lock_ref(handle._node)
+
+    def unlock(self, handle: PrefixHandle) -> None:
+        self._dec_lock_ref(handle._node)
+
+    def _inc_lock_ref(self, node: TreeNode) -> int:
         """Pin `node` and its ancestors; returns the change in evictable_size() (tokens, <= 0)."""
-        if self.disable:
-            return 0
         delta = 0
         while node is not self.root_node:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.value is not None:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
                 delta -= len(node.key)
@@ -233,13 +193,11 @@ class RadixCache:
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: TreeNode) -> int:
+    def _dec_lock_ref(self, node: TreeNode) -> int:
         """Unpin `node` and its ancestors; returns the change in evictable_size() (tokens, >= 0)."""
-        if self.disable:
-            return 0
         delta = 0
         while node is not self.root_node:
-            if node.lock_ref == 1:
+            if node.lock_ref == 1 and node.value is not None:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
                 delta += len(node.key)
@@ -251,19 +209,14 @@ class RadixCache:
 
     # ---- match and insert ---------------------------------------------------------
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match(self, key: list[int]) -> MatchResult:
         """Longest cached page-aligned prefix of `key` (token ids), through host-only nodes too.
 
-        Splits the last node when the match ends inside it, and refreshes
-        last_access_time along the path. `device_indices` is int64 `[matched]` on the
-        allocator's device and covers the device part; last_host_node is the deepest
-        matched node and host_hit_length the tokens past last_device_node that only the
-        host holds (both trivial without a host tier, which alone makes host-only nodes).
+        Splits the last node when the match ends inside it, and refreshes last_access_time
+        along the path. The device part ends at `handle`; host-only nodes past it (only a
+        host tier makes them) are `host_hit_length` tokens ending at `host_handle`.
         """
         key = key[: len(key) - len(key) % self.page_size]
-        if self.disable or not key:
-            return MatchResult(self._empty_indices(), self.root_node, self.root_node)
-
         now = time.monotonic()
         node, last_device, values, host_len = self.root_node, self.root_node, [], 0
         while key:
@@ -284,25 +237,25 @@ class RadixCache:
             node, key = child, key[n:]
             if ends_inside:
                 break
-        indices = torch.cat(values) if values else self._empty_indices()
-        return MatchResult(indices, last_device, node, host_len)
+        indices = torch.cat(values) if values else empty_slots()
+        handle = self._handle(last_device, len(indices))
+        host_handle = self._handle(node, len(indices) + host_len) if host_len else handle
+        return MatchResult(indices, handle, host_len, host_handle)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Add `key` (token ids) with device slots `value` (integer `[len(key)]`).
+    def insert(self, key: list[int], slots: torch.Tensor, hit: bool = False) -> InsertResult:
+        """Add `key` (token ids) with device `slots` (int64 CPU `[len(key)]`); `hit` is
+        for subclasses that count reuse.
 
-        Returns the length of the *device* prefix that was already in the tree: the
-        caller still owns `value[:returned]` and must free it as duplicates; the tree now
-        owns the rest. Host-only nodes on the path (only a host tier has them) take the
-        caller's slots and so are backed up again (device + host copy). Raises ValueError
-        on a length mismatch or an unaligned length.
+        `cached_len` of the result is the *device* prefix that was already in the tree: the
+        caller still owns `slots[:cached_len]` (duplicates to free); the tree owns the rest.
+        Host-only nodes on the path take the caller's slots and so are on the device again.
+        Raises ValueError on a length mismatch or an unaligned length.
         """
-        if self.disable:
-            return 0
-        if len(key) != len(value):
-            raise ValueError(f"key has {len(key)} tokens but value has {len(value)} slots")
+        if len(key) != len(slots):
+            raise ValueError(f"key has {len(key)} tokens but slots has {len(slots)}")
         if len(key) % self.page_size != 0:
             raise ValueError(f"key length {len(key)} is not a multiple of page_size {self.page_size}")
-
+        total = len(key)
         now = time.monotonic()
         node, prefix_len, revived, path = self.root_node, 0, False, []
         while key:
@@ -314,127 +267,62 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split_node(child, n)
             if child.evicted:
-                child.value = value[:n].to(self.device, torch.int64, copy=True)
-                self._evictable_size += n
+                child.value = slots[:n].to("cpu", torch.int64, copy=True)
+                self._revive(child)
                 revived = True
             else:
                 assert not revived, "a device node below a host-only node"
                 prefix_len += n
             path.append(child)
-            node, key, value = child, key[n:], value[n:]
+            node, key, slots = child, key[n:], slots[n:]
 
         if key:
             leaf = self._new_node()
             leaf.parent = node
             leaf.key = list(key)
-            leaf.value = value.to(self.device, torch.int64, copy=True)
+            leaf.value = slots.to("cpu", torch.int64, copy=True)
             leaf.last_access_time = now
             node.children[self._child_key(key)] = leaf
             self._evictable_size += len(key)
             path.append(leaf)
+            node = leaf
         self._after_insert(path)
-        return prefix_len
+        return InsertResult(prefix_len, self._handle(node, total))
+
+    def _revive(self, node: TreeNode) -> None:
+        """A host-only node just got device slots back: count them (a locked node's
+        tokens are protected, an unlocked one's evictable)."""
+        if node.lock_ref > 0:
+            self._protected_size += len(node.value)
+        else:
+            self._evictable_size += len(node.value)
 
     def _after_insert(self, path: list[TreeNode]) -> None:
         """Called with every node on an inserted key's path, root side first (new leaf
-        last), once the tree holds the key: where a host tier counts hits and starts
-        backups."""
-
-    # ---- request hooks ------------------------------------------------------------
-
-    def cache_finished_req(self, req: CacheableReq) -> None:
-        """Hand a finished request's KV to the tree and release everything it held.
-
-        Tokens with KV are `(origin_input_ids + output_ids)[:-1]` (the last output
-        token was never run); the caller guarantees exactly those positions of the
-        request's row hold its slots. Frees duplicates, the unaligned tail and the row,
-        and unlocks `req.last_node`.
-        """
-        token_ids = (req.origin_input_ids + req.output_ids)[:-1]
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)].to(torch.int64)
-        allocator = self.token_to_kv_pool_allocator
-
-        if self.disable:
-            allocator.free(kv_indices)
-            self.req_to_token_pool.free(req.req_pool_idx)
-            return
-
-        aligned_len = len(token_ids) - len(token_ids) % self.page_size
-        cached_len = len(req.prefix_indices) - len(req.prefix_indices) % self.page_size
-        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len])
-        allocator.free(kv_indices[cached_len:new_prefix_len])
-        allocator.free(kv_indices[aligned_len:])
-        self.req_to_token_pool.free(req.req_pool_idx)
-        self.dec_lock_ref(req.last_node)
-
-    def cache_unfinished_req(self, req: CacheableReq) -> None:
-        """Insert a running request's computed prefix (`req.fill_ids`) after a prefill chunk.
-
-        Afterwards the request's row points at the tree's slots for the aligned part,
-        `req.prefix_indices` (int64) covers all of `fill_ids` (tree slots, then the
-        request's own unaligned tail) and `req.last_node` is the new, locked, last node.
-        """
-        token_ids = req.fill_ids
-        row = req.req_pool_idx
-        req_to_token = self.req_to_token_pool.req_to_token
-        kv_indices = req_to_token[row, : len(token_ids)].to(torch.int64)
-
-        if self.disable:
-            req.prefix_indices = kv_indices
-            return
-
-        aligned_len = len(token_ids) - len(token_ids) % self.page_size
-        cached_len = len(req.prefix_indices) - len(req.prefix_indices) % self.page_size
-        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len])
-        self.token_to_kv_pool_allocator.free(kv_indices[cached_len:new_prefix_len])
-
-        match = self.match_prefix(token_ids[:aligned_len])
-        new_indices = match.device_indices
-        assert len(new_indices) == aligned_len, "the prefix just inserted must match in full"
-        req_to_token[row, cached_len:aligned_len] = new_indices[cached_len:].to(req_to_token.dtype)
-
-        self.inc_lock_ref(match.last_device_node)
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices = torch.cat([new_indices, kv_indices[aligned_len:]])
-        req.last_node = match.last_device_node
+        last), once the tree holds the key: where a host tier starts backups."""
 
     # ---- eviction -----------------------------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` device slots from unlocked leaves, least recently used first.
-
-        Parents that become unlocked leaves join the candidates. Returns the tokens
-        actually freed (less than asked when not enough is evictable; 0 is always safe).
-        """
-        if self.disable or num_tokens <= 0:
-            return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._evictable_leaves()]
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Drop unlocked leaves, least recently used first, until `num_tokens` tokens are
+        dropped or none is left; parents that become unlocked leaves join the candidates.
+        Returns their slots (int64 CPU), for the caller to free."""
+        if num_tokens <= 0:
+            return empty_slots()
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes()
+                if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
-        allocator = self.token_to_kv_pool_allocator
+        freed: list[torch.Tensor] = []
         num_evicted = 0
-        allocator.free_group_begin()
-        try:
-            while num_evicted < num_tokens and heap:
-                _, _, node = heapq.heappop(heap)
-                assert node.value is not None
-                allocator.free(node.value)
-                num_evicted += len(node.value)
-                parent = self._delete_leaf(node)
-                if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        finally:
-            allocator.free_group_end()
-        return num_evicted
-
-    def _evictable_leaves(self) -> list[TreeNode]:
-        leaves, stack = [], [self.root_node]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root_node and node.lock_ref == 0:
-                leaves.append(node)
-        return leaves
+        while num_evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            assert node.value is not None
+            freed.append(node.value)
+            num_evicted += len(node.value)
+            parent = self._delete_leaf(node)
+            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return torch.cat(freed) if freed else empty_slots()
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         parent = node.parent
@@ -442,6 +330,39 @@ class RadixCache:
         del parent.children[self._child_key(node.key)]
         self._evictable_size -= len(node.key)
         return parent
+
+    # ---- integrity ----------------------------------------------------------------
+
+    def check_integrity(self) -> torch.Tensor:
+        """Verify the tree: key/slot lengths agree and are page-aligned, children are keyed
+        by their first page, every lock count covers its children's, device nodes are
+        closed upwards, and the size counters equal a recount. Returns the device slots
+        the tree owns (int64 CPU). Raises AssertionError naming the broken invariant."""
+        evictable = protected = 0
+        owned = []
+        for node in self._nodes():
+            assert len(node.key) > 0 and len(node.key) % self.page_size == 0, f"unaligned {node}"
+            assert node.parent.children.get(self._child_key(node.key)) is node, f"mis-keyed {node}"
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_locks, f"{node} has fewer locks than its children"
+            if node.value is None:
+                assert node.host_value is not None, f"{node} holds KV in no tier"
+                continue
+            assert len(node.value) == len(node.key), f"{node}: {len(node.value)} slots"
+            assert node.parent is self.root_node or node.parent.value is not None, \
+                f"device {node} below a host-only parent"
+            owned.append(node.value)
+            if node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        assert evictable == self._evictable_size, \
+            f"evictable_size {self._evictable_size} != recount {evictable}"
+        assert protected == self._protected_size, \
+            f"protected_size {self._protected_size} != recount {protected}"
+        slots = torch.cat(owned) if owned else empty_slots()
+        assert len(torch.unique(slots)) == len(slots), "a device slot held by two nodes"
+        return slots
 
     # ---- debugging ----------------------------------------------------------------
 

@@ -8,7 +8,8 @@ steps each so every replay sees new lengths. Short prompts keep a wrong length o
 visible in the logits.
 
 A last test starts a layer-by-layer load-back on another stream that is still running when
-a decode replays: the replay must wait for it.
+a decode of other requests replays: the replay must not wait for it, and the extend batch
+that reads the loaded slots (carrying the load's ticket) must see every layer's new K/V.
 
 Skipped without CUDA; each backend is skipped where it cannot run (fa3: Hopper and
 flash_attn_interface; triton: its backend module and the triton package).
@@ -111,6 +112,13 @@ class Driver:
         loc = self.runner.token_to_kv_pool_allocator.alloc_extend([0] * len(names), seq, [-1] * len(names))
         return self._batch(ForwardMode.EXTEND, names, [prompts[n] for n in names], loc, [0] * len(names))
 
+    def extend(self, name: str, tokens: list[int]) -> ForwardBatch:
+        """Continue `name` with `tokens` (a prefix of lens[name] tokens already in the pool)."""
+        p = self.lens[name]
+        last_loc = int(self.runner.req_to_token_pool.req_to_token[self.rows[name], p - 1])
+        loc = self.runner.token_to_kv_pool_allocator.alloc_extend([p], [p + len(tokens)], [last_loc])
+        return self._batch(ForwardMode.EXTEND, [name], [tokens], loc, [p])
+
     def decode(self, tokens: dict[str, int]) -> ForwardBatch:
         names = list(tokens)
         table = self.runner.req_to_token_pool.req_to_token
@@ -167,10 +175,11 @@ def test_batch_larger_than_the_graphs_runs_eagerly(llama):
     assert runner.run_forward(fb).shape == (GRAPH_MAX_BS + 1, HF_CONFIG["vocab_size"])
 
 
-def test_replay_waits_for_an_in_flight_load_back(llama):
-    """A load-back still running on another stream when a decode replays: the graph holds no
-    per-layer waits, so the replay must wait for every layer first, or it reads stale K/V."""
-    from hiserve.mem_cache.cache_controller import LayerLoadingCounter
+def test_load_back_is_waited_for_only_by_its_batch(llama):
+    """A load-back still running on another stream (slowed by a sleep kernel): a decode replay
+    of other requests finishes first, and the extend reading the loaded slots, which carries
+    the load's ticket, sees every layer's new K/V (its logits equal the eager runner's)."""
+    from hiserve.mem_cache.cache_controller import CacheAck, LoadTicket
 
     backend = "fa3" if skip_reason("fa3") is None else "triton"
     if skip_reason(backend) is not None:
@@ -197,23 +206,32 @@ def test_replay_waits_for_an_in_flight_load_back(llama):
             bufs[layer][slots("eager")] = new_kv[layer, kind]  # the eager runner gets it at once
 
     target = graphed.token_to_kv_pool
-    counter = LayerLoadingCounter(target.layer_num, graphed.device)
-    target.register_layer_transfer_counter(counter)
-    events = counter.start_producer()
+    events = [torch.cuda.Event() for _ in range(target.layer_num)]
+    finish = torch.cuda.Event()
     load_stream = torch.cuda.Stream()
     load_stream.wait_stream(torch.cuda.current_stream())
     dst = slots("graphed")
     with torch.cuda.stream(load_stream):
-        torch.cuda._sleep(200_000_000)  # the load is still running when the replay is issued
+        torch.cuda._sleep(400_000_000)  # the load is still running when the decode is issued
         for layer in range(target.layer_num):
             target.k_buffer[layer][dst] = new_kv[layer, "k"]
             target.v_buffer[layer][dst] = new_kv[layer, "v"]
             events[layer].record(load_stream)
+        finish.record(load_stream)
+    ticket = LoadTicket(events, CacheAck(0, [0], len(dst), finish))
 
-    tokens = {"r0": 11, "r1": 12, "r2": 13}
-    fb_g, fb_e = drivers["graphed"].decode(tokens), drivers["eager"].decode(tokens)
+    others = {"r1": 12, "r2": 13}
+    fb_g, fb_e = drivers["graphed"].decode(others), drivers["eager"].decode(others)
     assert graphed.cuda_graph_runner.can_run(fb_g)
-    out_g = graphed.run_forward(fb_g).clone()
+    decoded = torch.cuda.Event()
+    out_g = graphed.forward_with_load(fb_g, None).clone()
+    decoded.record()
+    decoded.synchronize()
+    assert not finish.query(), "the decode of other requests waited for the load-back"
+    torch.testing.assert_close(out_g, eager.run_forward(fb_e), rtol=2e-2, atol=2e-2)
+
+    fb_g, fb_e = drivers["graphed"].extend("r0", [11, 12]), drivers["eager"].extend("r0", [11, 12])
+    out_g = graphed.forward_with_load(fb_g, ticket).clone()
     out_e = eager.run_forward(fb_e)
     torch.testing.assert_close(out_g, out_e, rtol=2e-2, atol=2e-2)
-    target.register_layer_transfer_counter(None)
+    assert target.layer_transfer_counter is None  # installed for that forward only

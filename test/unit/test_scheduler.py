@@ -21,7 +21,7 @@ PROMPTS = [
 
 
 def make_scheduler(**kwargs) -> Scheduler:
-    args = ServerArgs(dtype="float32", device="cpu", **kwargs).resolve()
+    args = ServerArgs(dtype="float32", device="cpu", enable_cache_integrity_check=True, **kwargs).resolve()
     return Scheduler(args, None)
 
 
@@ -44,6 +44,7 @@ def run_all(sched: Scheduler, on_step=None, max_steps: int = 5000) -> dict[str, 
             on_step(sched, batch)
         if batch is not None:
             sched.run_batch(batch)
+        sched.check_cache_events()  # with the integrity check on, verifies every iteration
         steps += 1
         assert steps < max_steps, "scheduler did not converge"
     outs: dict[str, tuple[list[int], dict]] = {}
@@ -58,9 +59,11 @@ def run_all(sched: Scheduler, on_step=None, max_steps: int = 5000) -> dict[str, 
 
 
 def assert_no_leak(sched: Scheduler) -> None:
+    sched.kv.check_integrity()
     assert sched.flush_cache()
-    assert sched.allocator.available_size() == sched.max_total_num_tokens
-    assert sched.req_to_token_pool.available_size() == sched.model_runner.max_running_requests
+    assert sched.kv.allocator.available_size() == sched.max_total_num_tokens
+    assert sched.kv.rtt.available_size() == sched.model_runner.max_running_requests
+    sched.kv.check_integrity()
 
 
 @pytest.fixture(scope="module")

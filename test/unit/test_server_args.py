@@ -232,3 +232,13 @@ def test_cli_reports_a_bad_combination_as_a_usage_error(llama, capsys):
         prepare_server_args(["--model-path", llama, "--page-size", "0"])
     assert exc.value.code == 2
     assert "--page-size must be >= 1" in capsys.readouterr().err
+
+
+def test_resolved_args_are_frozen(llama):
+    import dataclasses
+
+    args = ServerArgs(model_path=llama, device="cpu").resolve()
+    with pytest.raises(dataclasses.FrozenInstanceError, match="page_size"):
+        args.page_size = 64
+    assert args.resolve() is args  # resolving again changes nothing
+    assert args.model_config() is args.model_config()  # the lazily read config is still cached

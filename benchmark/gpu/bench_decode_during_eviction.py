@@ -1,0 +1,143 @@
+"""Decode step time while device eviction writes pages back to the host (`write_back`).
+
+The scheduler in-process (dummy weights, `--hicache-write-policy write_back`): first a set
+of filler prefixes is prefilled and left in the radix tree, unlocked and not backed up;
+then `batch_size` requests of `context_len` tokens decode. Idle phase: decode steps with
+nothing else going on. Evicting phase: before each decode step the KV manager evicts one
+filler prefix, which under `write_back` starts its all-layer write to the host on the write
+stream; its device pages wait on the pending list for the write's ack, so the decode does
+not wait for the write (before this design the compute stream waited for every write in
+flight). Only steps that ended while a write was still running count as busy.
+
+Target: busy / idle decode step <= 1.03.
+
+    python benchmark/gpu/bench_decode_during_eviction.py                 # H200, dummy Llama-3-8B
+    python benchmark/gpu/bench_decode_during_eviction.py --device cpu --tiny   # harness check
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from common import base_record, make_server_args, write_record
+
+from hiserve.engine.io_struct import TokenizedGenerateReqInput
+from hiserve.engine.sampling_params import SamplingParams
+from hiserve.engine.scheduler import Scheduler
+from hiserve.testing.dummy_model import write_dummy_model
+
+TARGET_RATIO = 1.03
+
+
+def run_until_running(sched: Scheduler, n: int) -> None:
+    """Step until `n` requests decode and nothing waits."""
+    while sched.waiting_queue or sched.chunked_req or len(sched.running) < n:
+        sched.step()
+
+
+def timed_decode_step(sched: Scheduler, write_ack: Any) -> tuple[float, float, bool]:
+    """One decode step; returns (GPU ms between events around it, wall ms, whether the
+    write `write_ack` was still running when the step's work ended)."""
+    batch = sched.prepare_decode()
+    cuda = sched.device.type == "cuda"
+    t0 = time.perf_counter()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    sched.run_batch(batch)
+    if cuda:
+        end.record()
+        end.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    busy = write_ack is not None and not write_ack.done()
+    sched.check_cache_events()
+    return (start.elapsed_time(end) if cuda else wall), wall, busy
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--context-len", type=int, default=1024)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--filler-len", type=int, default=4096, help="tokens per evicted prefix")
+    p.add_argument("--fillers", type=int, default=12)
+    p.add_argument("--steps", type=int, default=40, help="decode steps per phase")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="tiny-llama, small sizes (harness check)")
+    p.add_argument("--out-dir", default="benchmark/results")
+    p.add_argument("--name", default=None)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.shape, args.batch_size, args.context_len, args.page_size = "tiny-llama", 4, 64, 16
+        args.filler_len, args.fillers, args.steps = 256, 6, 5
+    name = args.name or f"{'h200' if args.device == 'cuda' else 'cpu'}_decode_during_eviction" + (
+        "_tiny" if args.tiny else "")
+    record: dict[str, Any] = base_record(torch.device(args.device), args)
+    decode_tokens = args.batch_size * (args.context_len + 3 * args.steps + 2 * args.page_size)
+    with tempfile.TemporaryDirectory(prefix="hiserve_bench_evict_") as folder:
+        fields = dict(model_path=write_dummy_model(folder, args.shape), load_format="dummy", dtype=args.dtype,
+                      device=args.device, page_size=args.page_size, random_seed=1,
+                      max_total_tokens=decode_tokens + args.fillers * args.filler_len + 4 * args.page_size,
+                      max_running_requests=max(args.batch_size, 8), chunked_prefill_size=-1,
+                      max_prefill_tokens=max(args.filler_len, args.context_len) * 2,
+                      enable_hierarchical_cache=True, hicache_write_policy="write_back",
+                      hicache_ratio=float(args.fillers + 2))
+        server_args, missing = make_server_args(**fields)
+        sched = Scheduler(server_args, None)
+        vocab = sched.model_runner.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        fill_sp = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+        for i in range(args.fillers):
+            ids = torch.randint(10, vocab, (args.filler_len,), generator=gen).tolist()
+            sched.add_request(TokenizedGenerateReqInput(rid=f"f{i}", input_ids=ids, sampling_params=fill_sp))
+        run_until_running(sched, 0)
+        sp = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
+        for i in range(args.batch_size):
+            ids = torch.randint(10, vocab, (args.context_len,), generator=gen).tolist()
+            sched.add_request(TokenizedGenerateReqInput(rid=f"d{i}", input_ids=ids, sampling_params=sp))
+        run_until_running(sched, args.batch_size)
+        for _ in range(3):  # warm-up (CUDA graphs, allocator)
+            timed_decode_step(sched, None)
+        idle = [timed_decode_step(sched, None) for _ in range(args.steps)]
+        controller = sched.kv.h.controller
+        busy, evicted = [], 0
+        for _ in range(args.steps):
+            before = len(controller.ack_write_queue)
+            evicted += sched.kv.evict(args.filler_len) + sched.kv.prefix_cache.pending_slots()
+            ack = controller.ack_write_queue[-1] if len(controller.ack_write_queue) > before else None
+            busy.append(timed_decode_step(sched, ack))
+            if sched.kv.prefix_cache.evictable_size() < args.filler_len:
+                break
+        controller.synchronize()
+        sched.check_cache_events()
+        sched.kv.check_integrity()
+    idle_ms = statistics.median(t for t, _, _ in idle)
+    busy_steps = [t for t, _, b in busy if b]
+    busy_ms = statistics.median(busy_steps) if busy_steps else float("nan")
+    ratio = busy_ms / idle_ms
+    record.update(server_args_missing=missing, idle_step_ms=idle_ms, busy_step_ms=busy_ms,
+                  busy_steps=len(busy_steps), evicting_steps=len(busy), ratio=ratio,
+                  idle_wall_ms=statistics.median(w for _, w, _ in idle),
+                  evicting_wall_ms=statistics.median(w for _, w, _ in busy),
+                  filler_bytes=args.filler_len * sched.model_runner._cell_size_bytes(),
+                  target=TARGET_RATIO, met=bool(ratio <= TARGET_RATIO),
+                  samples={"idle": idle, "evicting": busy})
+    print(f"idle decode step {idle_ms:.3f} ms; with an eviction write-back of "
+          f"{record['filler_bytes'] / 1e9:.2f} GB in flight {busy_ms:.3f} ms over {len(busy_steps)} steps; "
+          f"ratio {ratio:.3f} (target <= {TARGET_RATIO}: {'met' if record['met'] else 'NOT met'}); "
+          f"wall per step idle {record['idle_wall_ms']:.2f} ms, evicting {record['evicting_wall_ms']:.2f} ms")
+    write_record(record, args.out_dir, name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

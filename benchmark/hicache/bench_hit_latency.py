@@ -1,0 +1,237 @@
+"""What a prefix hit costs end to end: cold vs device hit vs host hit, over HTTP.
+
+For each prefix length L and page size, one server (dummy weights, hierarchical cache,
+write_through) answers `/generate` with `input_ids` = prefix + 64 new tokens and
+`max_new_tokens` 1, three times per case with three different prefixes (medians):
+
+    cold         the prefix has never been seen
+    device hit   the same prefix again, other 64 new tokens (the prefix is on the device)
+    host hit     the prefix after another prefix of the same length pushed it off the device
+                 (the device pool holds one such prefix; write_through kept a host copy)
+
+In the same process, before the server starts, a pinned host -> device copy of one
+prefix's KV bytes measures the host link: the host-hit target is
+device hit + prefix bytes / (0.9 x link bandwidth). The device-hit target is 15 ms.
+
+    python benchmark/hicache/bench_hit_latency.py --shape llama3-8b --page-sizes 16 64
+    python benchmark/hicache/bench_hit_latency.py --device cpu --shape tiny-llama --lengths 256 512  # harness check
+
+Prints a table and writes JSON under benchmark/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+for p in (REPO_ROOT, REPO_ROOT / "benchmark" / "gpu", REPO_ROOT / "test" / "e2e"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from common import base_record, write_record  # noqa: E402
+from server import kill, popen_launch_server  # noqa: E402
+
+from hiserve.testing.dummy_model import SHAPES, write_dummy_model  # noqa: E402
+
+NEW_TOKENS = 64
+DEVICE_HIT_TARGET_MS = 15.0
+LINK_FRACTION = 0.9
+
+
+def kv_bytes_per_token(shape: str, itemsize: int) -> int:
+    cfg = SHAPES[shape]
+    layers = cfg["num_hidden_layers"]
+    if cfg.get("kv_lora_rank"):
+        return layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * itemsize
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return layers * 2 * cfg["num_key_value_heads"] * head_dim * itemsize
+
+
+def host_link_bytes_per_s(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """Pinned host -> device copy bandwidth for `nbytes` (median of `reps`)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times[1:])
+
+
+def timed_generate(client: httpx.Client, base: str, ids: list[int]) -> float:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    t0 = time.perf_counter()
+    r = client.post(base + "/generate", json=body)
+    ms = (time.perf_counter() - t0) * 1e3
+    r.raise_for_status()
+    return ms
+
+
+def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: int) -> list[dict[str, Any]]:
+    longest = max(args.lengths)
+    # The device pool holds one longest request (+ a page of slack), so a second prefix of the
+    # same length pushes the first one to the host.
+    pool = (longest + NEW_TOKENS) // page * page + 2 * page
+    proc, base = popen_launch_server([
+        "--model-path", model_dir, "--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
+        "--page-size", page, "--max-total-tokens", pool, "--enable-hierarchical-cache",
+        "--hicache-ratio", 8, "--hicache-write-policy", "write_through",
+        "--chunked-prefill-size", -1, "--max-prefill-tokens", longest + NEW_TOKENS + page,
+        *args.server_args], timeout=900)
+    rng = random.Random(page)
+    rows = []
+    try:
+        with httpx.Client(timeout=600) as client:
+            timed_generate(client, base, [rng.randrange(10, vocab) for _ in range(64)])  # warm-up
+            for length in args.lengths:
+                samples: dict[str, list[float]] = {"cold": [], "device_hit": [], "host_hit": []}
+                for _ in range(args.repeats):
+                    prefix = [rng.randrange(10, vocab) for _ in range(length)]
+                    other = [rng.randrange(10, vocab) for _ in range(length)]
+                    new = lambda: [rng.randrange(10, vocab) for _ in range(NEW_TOKENS)]  # noqa: E731
+                    samples["cold"].append(timed_generate(client, base, prefix + new()))
+                    samples["device_hit"].append(timed_generate(client, base, prefix + new()))
+                    timed_generate(client, base, other + new())  # evicts `prefix` to the host
+                    samples["host_hit"].append(timed_generate(client, base, prefix + new()))
+                    client.post(base + "/flush_cache")
+                row = {"page_size": page, "prefix_tokens": length,
+                       **{f"{k}_ms": statistics.median(v) for k, v in samples.items()},
+                       "samples_ms": samples}
+                rows.append(row)
+                print(f"page {page:3d}  L {length:6d}  cold {row['cold_ms']:8.1f}  device hit "
+                      f"{row['device_hit_ms']:8.1f}  host hit {row['host_hit_ms']:8.1f} ms", flush=True)
+    finally:
+        kill(proc)
+    return rows
+
+
+def in_process_profile(args: argparse.Namespace, model_dir: str, page: int, vocab: int) -> dict[str, Any]:
+    """The same cases through the scheduler in this process (no HTTP, no tokenizer manager),
+    timed, with a cProfile of the device-hit case: where the host time of a hit goes."""
+    import cProfile
+    import io
+    import pstats
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmark" / "gpu"))
+    from common import make_server_args
+
+    from hiserve.engine.io_struct import TokenizedGenerateReqInput
+    from hiserve.engine.sampling_params import SamplingParams
+    from hiserve.engine.scheduler import Scheduler
+
+    length = args.lengths[1] if len(args.lengths) > 1 else args.lengths[0]
+    pool = (length + NEW_TOKENS) // page * page + 2 * page
+    server_args, _ = make_server_args(
+        model_path=model_dir, load_format="dummy", device=args.device, dtype=args.dtype, page_size=page,
+        max_total_tokens=pool, enable_hierarchical_cache=True, hicache_ratio=8.0, chunked_prefill_size=-1,
+        max_prefill_tokens=length + NEW_TOKENS + page)
+    sched = Scheduler(server_args, None)
+    rng = random.Random(7)
+    sp = SamplingParams(max_new_tokens=1, temperature=0)
+
+    def run(ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        sched.add_request(TokenizedGenerateReqInput(rid=str(rng.random()), input_ids=ids, sampling_params=sp))
+        while sched.waiting_queue or sched.running or sched.chunked_req:
+            sched.step()
+        if sched.device.type == "cuda":
+            torch.cuda.synchronize()
+        sched.outbox.clear()
+        return (time.perf_counter() - t0) * 1e3
+
+    new = lambda: [rng.randrange(10, vocab) for _ in range(NEW_TOKENS)]  # noqa: E731
+    run([rng.randrange(10, vocab) for _ in range(64)])  # warm-up
+    out: dict[str, list[float]] = {"cold": [], "device_hit": [], "host_hit": []}
+    profile = cProfile.Profile()
+    for _ in range(args.repeats):
+        prefix = [rng.randrange(10, vocab) for _ in range(length)]
+        out["cold"].append(run(prefix + new()))
+        profile.enable()
+        out["device_hit"].append(run(prefix + new()))
+        profile.disable()
+        run([rng.randrange(10, vocab) for _ in range(length)] + new())
+        out["host_hit"].append(run(prefix + new()))
+        sched.flush_cache()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+    return {"page_size": page, "prefix_tokens": length,
+            **{f"{k}_ms": statistics.median(v) for k, v in out.items()}, "samples_ms": out,
+            "device_hit_profile_top25": text.getvalue()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="prefix lengths (default: 2048, 6144 and the context limit minus the new tokens)")
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--in-process", action="store_true",
+                    help="also time the cases through the scheduler in this process, with a profile")
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+    ap.add_argument("--out-dir", default=str(REPO_ROOT / "benchmark" / "results"))
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args(argv)
+    cfg = SHAPES[args.shape]
+    limit = cfg["max_position_embeddings"] - NEW_TOKENS - 8
+    args.lengths = args.lengths or [2048, 6144, limit]
+    device = torch.device(args.device)
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    per_token = kv_bytes_per_token(args.shape, itemsize)
+    link = host_link_bytes_per_s(device, per_token * max(args.lengths))
+    model_dir = write_dummy_model(tempfile.mkdtemp(prefix="hit_latency_"), args.shape)
+    rows = []
+    for page in args.page_sizes:
+        rows.extend(run_page_size(args, model_dir, page, cfg["vocab_size"]))
+    for row in rows:
+        prefix_bytes = per_token * (row["prefix_tokens"] // row["page_size"] * row["page_size"])
+        row["prefix_kv_bytes"] = prefix_bytes
+        row["transfer_ms_at_0.9_link"] = prefix_bytes / (LINK_FRACTION * link) * 1e3 if link == link else None
+        row["host_hit_target_ms"] = (row["device_hit_ms"] + row["transfer_ms_at_0.9_link"]
+                                     if row["transfer_ms_at_0.9_link"] is not None else None)
+        row["device_hit_target_met"] = row["device_hit_ms"] <= DEVICE_HIT_TARGET_MS
+        row["host_hit_target_met"] = (row["host_hit_ms"] <= row["host_hit_target_ms"]
+                                      if row["host_hit_target_ms"] is not None else None)
+    record = base_record(device, args)
+    record.update(host_link_bytes_per_s=link, kv_bytes_per_token=per_token, rows=rows,
+                  device_hit_target_ms=DEVICE_HIT_TARGET_MS)
+    if args.in_process:
+        prof = in_process_profile(args, model_dir, max(args.page_sizes), cfg["vocab_size"])
+        record["in_process"] = prof
+        print(f"in-process (scheduler only) page {prof['page_size']} L {prof['prefix_tokens']}: cold "
+              f"{prof['cold_ms']:.1f}  device hit {prof['device_hit_ms']:.1f}  host hit {prof['host_hit_ms']:.1f} ms")
+        print(prof["device_hit_profile_top25"])
+    print(f"\nhost link (pinned H2D) {link / 1e9:.1f} GB/s; targets: device hit <= {DEVICE_HIT_TARGET_MS} ms, "
+          f"host hit <= device hit + bytes / ({LINK_FRACTION} x link)")
+    print(f"{'page':>5} {'L':>6} {'cold':>8} {'dev hit':>8} {'host hit':>9} {'host target':>11}  met(dev/host)")
+    for r in rows:
+        tgt = r["host_hit_target_ms"]
+        print(f"{r['page_size']:5d} {r['prefix_tokens']:6d} {r['cold_ms']:8.1f} {r['device_hit_ms']:8.1f} "
+              f"{r['host_hit_ms']:9.1f} {tgt if tgt is None else round(tgt, 1)!s:>11}  "
+              f"{r['device_hit_target_met']}/{r['host_hit_target_met']}")
+    write_record(record, args.out_dir, args.name or f"hit_latency_{args.device}_{args.shape}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

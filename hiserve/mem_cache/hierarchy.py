@@ -1,0 +1,162 @@
+"""One constructor for the whole KV hierarchy: sizes in, pools + allocator + host tier +
+controller + prefix cache out.
+
+    KVSpec (shapes and sizes)  ──build_kv_hierarchy──▶  KVHierarchy
+        req_to_token_pool        ReqToTokenPool            request rows → slots
+        device_pool              MHA/MLATokenToKVPool      L1
+        allocator                TokenToKVPoolAllocator    free device pages
+        host_pool                MHA/MLATokenToKVPoolHost  L2 (with the hierarchical cache)
+        controller               HiCacheController         L1 ⇄ L2 copies
+        cache                    ChunkCache | RadixCache | HiRadixCache
+
+The model runner only says how many device tokens fit (`cell_size_bytes` and
+`reserved_device_bytes` help it decide) and hands the device pool to its attention
+backends; everything else about the hierarchy is built here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
+from hiserve.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool
+from hiserve.mem_cache.prefix_cache import ChunkCache, PrefixCache
+from hiserve.mem_cache.radix_cache import RadixCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shapes and sizes of the hierarchy.
+
+    Attributes:
+        num_tokens: device pool capacity in tokens (rounded down to whole pages).
+        page_size: tokens per page.
+        dtype: KV element dtype.
+        device: where the device pool lives.
+        layer_num: attention layers.
+        num_kv_heads, head_dim: MHA shapes (ignored for MLA).
+        kv_lora_rank, qk_rope_head_dim: MLA shapes (kv_lora_rank None or 0: MHA).
+        max_running_requests: rows of `req_to_token`.
+        max_context_len: columns of `req_to_token`.
+        disable_radix_cache: no prefix sharing (ChunkCache).
+        enable_hierarchical_cache: back the device pool with a host pool (HiRadixCache).
+        hicache_ratio, hicache_size: host pool size (x device pool, or GB per rank when > 0).
+        hicache_mem_layout, hicache_io_backend, hicache_write_policy: see --help.
+    """
+
+    num_tokens: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+    layer_num: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    max_running_requests: int = 256
+    max_context_len: int = 4096
+    disable_radix_cache: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_mem_layout: str = "page_first"
+    hicache_io_backend: str = "kernel"
+    hicache_write_policy: str = "write_through"
+
+    @property
+    def is_mla(self) -> bool:
+        return bool(self.kv_lora_rank)
+
+
+@dataclass
+class KVHierarchy:
+    """Everything that holds KV or says who owns it (see the module docstring)."""
+
+    spec: KVSpec
+    req_to_token_pool: ReqToTokenPool
+    device_pool: KVCache
+    allocator: TokenToKVPoolAllocator
+    cache: PrefixCache
+    host_pool: object | None = None
+    controller: object | None = None
+
+    def close(self) -> None:
+        """Release the host pool's registered memory (CUDA); safe to call twice."""
+        if self.host_pool is not None:
+            self.host_pool.close()
+
+
+def cell_size_bytes(spec: KVSpec) -> int:
+    """Device KV bytes of one token across all layers."""
+    if spec.is_mla:
+        return MLATokenToKVPool.cell_size_bytes(spec.kv_lora_rank, spec.qk_rope_head_dim,
+                                                spec.layer_num, spec.dtype)
+    return MHATokenToKVPool.cell_size_bytes(spec.num_kv_heads, spec.head_dim, spec.layer_num, spec.dtype)
+
+
+def reserved_device_bytes(spec: KVSpec) -> int:
+    """Device bytes the hierarchy needs besides the KV pool (the host tier's write-back
+    staging buffers, bounded at 64 pages), to keep out of the pool's budget."""
+    if not spec.enable_hierarchical_cache:
+        return 0
+    from hiserve.mem_cache.memory_pool_host import write_back_staging_bytes
+
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    if spec.is_mla:
+        item_bytes, num_buffers = (spec.kv_lora_rank + spec.qk_rope_head_dim) * itemsize, 1
+    else:
+        item_bytes, num_buffers = spec.num_kv_heads * spec.head_dim * itemsize, 2
+    return write_back_staging_bytes(spec.hicache_mem_layout, spec.device, None, spec.page_size,
+                                    spec.layer_num, item_bytes, num_buffers)
+
+
+def _device_pool(spec: KVSpec, size: int) -> KVCache:
+    if spec.is_mla:
+        return MLATokenToKVPool(size, spec.page_size, spec.dtype, spec.kv_lora_rank,
+                                spec.qk_rope_head_dim, spec.layer_num, spec.device)
+    return MHATokenToKVPool(size, spec.page_size, spec.dtype, spec.num_kv_heads, spec.head_dim,
+                            spec.layer_num, spec.device)
+
+
+def _hierarchical_cache(spec: KVSpec, device_pool: KVCache) -> tuple[PrefixCache, object, object]:
+    from hiserve.mem_cache.cache_controller import HiCacheController
+    from hiserve.mem_cache.hiradix_cache import HiRadixCache
+    from hiserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+    host_cls = MLATokenToKVPoolHost if spec.is_mla else MHATokenToKVPoolHost
+    host_pool = host_cls(device_pool, spec.hicache_ratio, spec.hicache_size, spec.page_size,
+                         spec.hicache_mem_layout)
+    controller = HiCacheController(device_pool, host_pool, spec.hicache_io_backend)
+    cache = HiRadixCache(spec.page_size, controller, write_policy=spec.hicache_write_policy)
+    return cache, host_pool, controller
+
+
+def build_kv_hierarchy(spec: KVSpec) -> KVHierarchy:
+    """Build the hierarchy described by `spec`.
+
+    Raises:
+        ValueError: the pool holds fewer than two pages, or a host pool does not fit in
+            host memory (the message names the flags).
+    """
+    size = spec.num_tokens // spec.page_size * spec.page_size
+    if size < 2 * spec.page_size:
+        raise ValueError(f"--max-total-tokens {size} is too small for --page-size {spec.page_size}")
+    # The padding row is the request row of the dummy requests padding a CUDA-graph batch.
+    rtt = ReqToTokenPool(spec.max_running_requests, spec.max_context_len, spec.device, padding_row=True)
+    device_pool = _device_pool(spec, size)
+    allocator = TokenToKVPoolAllocator(size, spec.page_size, spec.device, device_pool)
+    host_pool = controller = None
+    if spec.enable_hierarchical_cache:
+        cache, host_pool, controller = _hierarchical_cache(spec, device_pool)
+    elif spec.disable_radix_cache:
+        cache = ChunkCache(spec.page_size)
+    else:
+        cache = RadixCache(spec.page_size)
+    logger.info("KV pool: %d tokens, %.1f MB; %d request rows; prefix cache: %s", size,
+                size * cell_size_bytes(spec) / 1e6, spec.max_running_requests, type(cache).__name__)
+    return KVHierarchy(spec, rtt, device_pool, allocator, cache, host_pool, controller)
