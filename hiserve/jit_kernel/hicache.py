@@ -1,5 +1,10 @@
 """Public device <-> host KV transfer functions, dispatched by device and IO backend.
 
+One path for every model: `write_back_all_layer` and `load_back_one_layer` take a sequence of
+*kinds*, each a `KVKind(device_layers, host)` (MHA: K and V; MLA: the one latent row), and move
+them all. The CUDA kernels move one or two kinds per launch, so MHA's K and V still go in one
+launch (the paired kernels: one launch where a call per kind would take two) and MLA's alone.
+
 Every function checks shapes, dtypes, devices and index placement (ValueError naming the
 offending value) and then runs one implementation:
 

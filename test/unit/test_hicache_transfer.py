@@ -216,6 +216,36 @@ def test_staged_rejects_non_page_runs_and_device_host_indices():
                                                       page_size=4, stagings=[torch.empty(2, 4, LAYERS, 1, 3)])
 
 
+# ----------------------------------------------------------------------------- any kinds
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_transfers_loop_over_any_kinds(layout):
+    """The public functions take any sequence of (device layers, host buffer) kinds, each with its
+    own item shape: here three, as a model with a third stored tensor family would have."""
+    page, host_slots, gen = 4, 16, torch.Generator().manual_seed(5)
+    items = [(2, 4), (1, 8), (3, 2)]
+    layers = [[torch.randn((5 * page, *item), generator=gen) for _ in range(LAYERS)] for item in items]
+    hosts = [torch.full(reference.host_kind_shape(layout, host_slots, LAYERS, page, item), -1.0) for item in items]
+    kinds = list(zip(layers, hosts))
+    dev_idx, host_idx = pages_to_slots([1, 3], page), pages_to_slots([2, 0], page)
+    hicache.write_back_all_layer(kinds, layout, device_indices=dev_idx, host_indices=host_idx, page_size=page,
+                                 io_backend="kernel")
+    back = [[torch.zeros_like(t) for t in kind_layers] for kind_layers in layers]
+    for layer in range(LAYERS):
+        hicache.load_back_one_layer(list(zip(back, hosts)), layout, layer, host_indices=host_idx,
+                                    device_indices=dev_idx, page_size=page, io_backend="direct")
+    for kind_layers, kind_back in zip(layers, back):
+        for src, dst in zip(kind_layers, kind_back):
+            assert torch.equal(dst[dev_idx], src[dev_idx])
+            untouched = torch.ones(len(dst), dtype=torch.bool)
+            untouched[dev_idx] = False
+            assert bool((dst[untouched] == 0).all())
+    with pytest.raises(ValueError, match="layer_id=3 out of range"):
+        hicache.load_back_one_layer(kinds, layout, LAYERS, host_indices=host_idx, device_indices=dev_idx,
+                                    page_size=page, io_backend="direct")
+
+
 # ----------------------------------------------------------------------------- argument checks
 
 
