@@ -99,8 +99,8 @@ def write_back_staging_bytes(
 ) -> int:
     """Device bytes of the write-back staging buffers (0 unless `page_first` on CUDA).
 
-    `item_bytes` is one token of one layer of one buffer (K or V or the MLA row);
-    `num_buffers` is 2 for MHA, 1 for MLA; `page_num` None means the 64-page upper bound
+    `item_bytes` is one token of one layer of one kind (K or V or the MLA row);
+    `num_buffers` is the number of kinds of that size (2 for MHA, 1 for MLA); `page_num` None means the 64-page upper bound
     (for budgeting before the host pool exists).
     """
     if layout != "page_first" or torch.device(device).type != "cuda":
