@@ -155,6 +155,7 @@ def test_round_trip_half_dtypes_and_orders(order, index_dtype, dtype):
             round_trip(kind, layout, 4, 5, order, index_dtype, dtype=dtype)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_pages", [1, 65, 129])
 @pytest.mark.parametrize("layout", LAYOUTS)

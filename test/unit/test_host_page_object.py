@@ -8,6 +8,8 @@ page written through the view must load back to the device unchanged (the zero-c
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -19,17 +21,17 @@ KV_LORA_RANK, ROPE_DIM = 6, 2
 PAGE = 4
 
 
-def make(kind: str, layout: str, device_pages: int = 6, host_pages: int = 5):
+def make(kind: str, layout: str, device_pages: int = 6, host_pages: int = 5, device: str = "cpu"):
     size = device_pages * PAGE
     if kind == "MHA":
-        dev = MHATokenToKVPool(size, PAGE, torch.float32, HEADS, HEAD_DIM, LAYERS, "cpu")
+        dev = MHATokenToKVPool(size, PAGE, torch.float32, HEADS, HEAD_DIM, LAYERS, device)
         host = MHATokenToKVPoolHost(dev, host_pages / device_pages, 0, PAGE, layout)
     else:
-        dev = MLATokenToKVPool(size, PAGE, torch.float32, KV_LORA_RANK, ROPE_DIM, LAYERS, "cpu")
+        dev = MLATokenToKVPool(size, PAGE, torch.float32, KV_LORA_RANK, ROPE_DIM, LAYERS, device)
         host = MLATokenToKVPoolHost(dev, host_pages / device_pages, 0, PAGE, layout)
     gen = torch.Generator().manual_seed(3)
     for buf in dev.buffers():
-        buf.copy_(torch.randn(buf.shape, generator=gen))
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(device))
     for buf in host.kv_buffers:
         buf.fill_(-1.0)
     return dev, host
@@ -39,12 +41,24 @@ def slots(pages):
     return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
-def test_page_object_is_the_device_page_contiguous(kind, layout):
-    dev, host = make(kind, layout)
+def test_page_object_is_the_device_page_contiguous(kind, layout, device):
+    """On CUDA: a registered (pinned) pool written by the `kernel` io backend."""
+    dev, host = make(kind, layout, device=device)
     dev_pages, host_pages = [1, 2, 3], [4, 0, 2]
-    host.backup_from_device_all_layer(dev, slots(host_pages), slots(dev_pages), "direct")
+    stream = torch.cuda.Stream() if device == "cuda" else None  # batched copies refuse the legacy stream
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        host.backup_from_device_all_layer(dev, slots(host_pages), slots(dev_pages).to(device), "kernel")
+    if stream is not None:
+        stream.synchronize()
     names = ["k", "v"] if kind == "MHA" else ["kv"]
     assert [k.name for k in host.kinds] == names
     base = host.buffer.data_ptr()
@@ -56,7 +70,7 @@ def test_page_object_is_the_device_page_contiguous(kind, layout):
         assert meta.page_bytes == PAGE * meta.token_bytes
         for dp, hp in zip(dev_pages, host_pages):
             obj = host.page_object(name, hp)
-            token_major = torch.stack([layer[dp * PAGE:(dp + 1) * PAGE] for layer in layers], dim=1)  # [P, L, *item]
+            token_major = torch.stack([layer[dp * PAGE:(dp + 1) * PAGE].cpu() for layer in layers], dim=1)
             want = token_major if layout == "page_first" else token_major.transpose(0, 1)
             assert obj.is_contiguous() and torch.equal(obj, want), (name, hp)
             assert obj.numel() * obj.element_size() == meta.page_bytes
@@ -66,6 +80,9 @@ def test_page_object_is_the_device_page_contiguous(kind, layout):
         assert bool((untouched == -1.0).all()), name
         region += host.size * meta.token_bytes
     assert region == host.size_bytes == host.buffer.numel()
+    if device == "cuda":
+        assert host.pin_memory and all(host.page_object(k.name, 0).is_pinned() for k in host.kinds)
+        host.close()
 
 
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
