@@ -142,6 +142,7 @@ class HostKVCache:
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA; the host pool of a CPU device pool is plain memory")
         self._registered: RegisteredHostMemory | None = None
+        self._transfer_kinds_cache: tuple["KVCache", list[KVKind]] | None = None
         self.kv_buffers = self._alloc_buffers()
         self._finalizer = (
             weakref.finalize(self, self._registered.release) if self._registered is not None else None
@@ -227,6 +228,7 @@ class HostKVCache:
         self._registered = None
         self.kv_buffers = ()
         self.buffer = None
+        self._transfer_kinds_cache = None
         self._free_staging()
 
     # -- per-page objects (for a storage tier)
@@ -338,17 +340,23 @@ class HostKVCache:
     # -- transfers: one path for every kind
 
     def transfer_kinds(self, device_pool: "KVCache") -> list[KVKind]:
-        """Per kind the `KVKind(device layers, host buffer)` pair the transfer functions take.
+        """Per kind the `KVKind(device layers, host buffer)` pair the transfer functions take
+        (built once per device pool: a load-back asks for it once per layer).
 
         Raises:
             ValueError: `device_pool` has other kinds than this pool.
         """
+        cached = self._transfer_kinds_cache
+        if cached is not None and cached[0] is device_pool:
+            return cached[1]
         device_kinds = device_pool.kv_kinds()
         if len(device_kinds) != len(self.kinds) or any(
                 name != k.name for (name, _), k in zip(device_kinds, self.kinds)):
             raise ValueError(f"device pool kinds {[name for name, _ in device_kinds]} != host pool kinds "
                              f"{[k.name for k in self.kinds]}")
-        return [KVKind(layers, host) for (_, layers), host in zip(device_kinds, self.kv_buffers)]
+        kinds = [KVKind(layers, host) for (_, layers), host in zip(device_kinds, self.kv_buffers)]
+        self._transfer_kinds_cache = (device_pool, kinds)
+        return kinds
 
     def backup_from_device_all_layer(
         self, device_pool: "KVCache", host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
