@@ -172,13 +172,8 @@ def run_write_back(args, arena, row, kinds, stagings, num_layers, item, page_siz
     }
     for name, opts in variants.items():
         def staged():
-            if num_kinds == 2:
-                return hicache.transfer_hicache_all_layer_staged_lf_pf(
-                    kinds[0], kinds[1], hosts[0], hosts[1], stagings[0], stagings[1], device_indices=dev_idx,
-                    host_indices=host_idx, page_size=page_size, **opts)
-            return hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
-                kinds[0], hosts[0], stagings[0], device_indices=dev_idx, host_indices=host_idx,
-                page_size=page_size, **opts)
+            return hicache.transfer_hicache_all_layer_staged_lf_pf(
+                kinds, hosts, stagings, device_indices=dev_idx, host_indices=host_idx, page_size=page_size, **opts)
         ms, walls = time_ms(staged, args.reps, stream=stream)
         with torch.cuda.stream(stream):
             stats = staged()
@@ -214,9 +209,8 @@ def run_write_back(args, arena, row, kinds, stagings, num_layers, item, page_siz
 
     if nbytes <= args.reference_max_bytes:
         def ref():
-            for layers, host in zip(kinds, hosts):
-                reference.write_back_all_layer_mla_ref(layers, host, "page_first", device_indices=dev_idx,
-                                                       host_indices=host_idx, page_size=page_size)
+            reference.write_back_all_layer_ref(list(zip(kinds, hosts)), "page_first", device_indices=dev_idx,
+                                               host_indices=host_idx, page_size=page_size)
         ms, _ = time_ms(ref, 1, warmup=0, stream=stream)
         row["reference_ms"], row["reference_gbps"], row["reference_ratio"] = ms, gbps(nbytes, ms), row["limit_ms"] / ms
     else:
@@ -257,9 +251,8 @@ def load_back_section(args, arena, results, stream):
 
                     def load(layer_id, quota, indices):
                         hicache.transfer_hicache_one_layer(
-                            hosts[0], hosts[-1] if num_kinds == 2 else None, layers[0],
-                            layers[-1] if num_kinds == 2 else None, layout, layer_id, host_indices=indices,
-                            device_indices=dev_idx, page_size=page_size, block_quota=quota)
+                            hosts, layers, layout, layer_id, host_indices=indices, device_indices=dev_idx,
+                            page_size=page_size, block_quota=quota)
 
                     for quota in quotas:
                         ms, walls = time_ms(lambda: load(num_layers // 2, quota, host_idx_dev), args.reps,

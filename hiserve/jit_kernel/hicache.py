@@ -1,5 +1,10 @@
 """Public device <-> host KV transfer functions, dispatched by device and IO backend.
 
+One path for every model: `write_back_all_layer` and `load_back_one_layer` take a sequence of
+*kinds*, each a `KVKind(device_layers, host)` (MHA: K and V; MLA: the one latent row), and move
+them all. The CUDA kernels move one or two kinds per launch, so MHA's K and V still go in one
+launch (the paired kernels: one launch where a call per kind would take two) and MLA's alone.
+
 Every function checks shapes, dtypes, devices and index placement (ValueError naming the
 offending value) and then runs one implementation:
 
@@ -39,7 +44,7 @@ from typing import Sequence
 import torch
 
 from hiserve.jit_kernel import reference, utils
-from hiserve.jit_kernel.reference import LAYOUTS, WRITE_BACK_STAGING_PAGE_CHUNK  # noqa: F401 (re-export)
+from hiserve.jit_kernel.reference import LAYOUTS, WRITE_BACK_STAGING_PAGE_CHUNK, KVKind  # noqa: F401 (re-export)
 
 IO_BACKENDS = ("kernel", "direct")
 LAYOUT_CODES = {"layer_first": 0, "page_first": 1, "page_first_direct": 2}
@@ -59,6 +64,16 @@ DEFAULT_BLOCK_QUOTA = 8  # H200: 2 blocks reach ~0.5 of the H2D limit, 8 ~0.9, m
 
 
 # ----------------------------------------------------------------------------- checks
+
+# The kernels move one or two kinds per launch (MHA's K and V together); more kinds would go
+# in several launches (no model here has more).
+KERNEL_MAX_KINDS = 2
+
+
+def _check_kind_count(kinds: Sequence, hosts: Sequence) -> None:
+    if len(kinds) != len(hosts) or not 1 <= len(kinds) <= KERNEL_MAX_KINDS:
+        raise ValueError(f"give 1 to {KERNEL_MAX_KINDS} kinds with one host buffer each, got {len(kinds)} kinds, "
+                         f"{len(hosts)} host buffers")
 
 
 def _check_host_indices(host_indices: torch.Tensor) -> None:
@@ -166,13 +181,20 @@ def _default_staging(device, num_pages, page_size, layer_num, item, dtype):
     return torch.empty((max(capacity, 1), page_size, layer_num, *item), dtype=dtype, device=device)
 
 
+def _stagings_or_default(kinds, stagings, device_indices, page_size) -> list[torch.Tensor]:
+    """The given staging buffers, or (any missing) a temporary per kind."""
+    if stagings is not None and len(stagings) == len(kinds) and all(s is not None for s in stagings):
+        return list(stagings)
+    first = kinds[0][0]
+    pages = device_indices.numel() // max(page_size, 1)
+    return [_default_staging(first.device, pages, page_size, len(kinds[0]), first.shape[1:], first.dtype)
+            for _ in kinds]
+
+
 def transfer_hicache_all_layer_staged_lf_pf(
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor],
-    host_k: torch.Tensor,
-    host_v: torch.Tensor,
-    staging_k: torch.Tensor | None,
-    staging_v: torch.Tensor | None,
+    kinds: Sequence[Sequence[torch.Tensor]],
+    hosts: Sequence[torch.Tensor],
+    stagings: Sequence[torch.Tensor | None] | None,
     *,
     device_indices: torch.Tensor,
     host_indices: torch.Tensor,
@@ -182,27 +204,30 @@ def transfer_hicache_all_layer_staged_lf_pf(
     sort_pages: bool = True,
     pipeline: bool = True,
 ) -> StagedWriteBackStats:
-    """MHA staged write-back of every layer: device `layer_first` -> host `page_first`.
+    """Staged write-back of every layer of 1 or 2 kinds in one pass: device `layer_first` ->
+    host `page_first` (MHA: K and V together; MLA: the one latent kind).
 
     The operation's pages are put in host-page order, then moved in chunks. Per chunk the
-    relayout kernel gathers the chunk's tokens of every layer into the staging buffers,
-    ordered `[page][token][layer][H][Dh]`, and the copy engine moves each staged page to its
-    host page (consecutive host pages merged into one copy), as one `cudaMemcpyBatchAsync`
-    per chunk or one `cudaMemcpyAsync` per copy. An operation of more pages than the staging
-    capacity is pipelined (unless `pipeline=False`): chunks of half the capacity alternate
-    between its two halves, the relayout running on a second stream so it overlaps the
-    previous chunk's copies; otherwise chunks of the whole capacity on the current stream. The copies are on the current stream, which is ordered after
-    every relayout, so work queued after this call on the current stream sees the host pages
+    relayout kernel gathers the chunk's tokens of every layer of every kind into that kind's
+    staging buffer, ordered `[page][token][layer][*item]`, and the copy engine moves each
+    staged page to its host page (consecutive host pages merged into one copy), as one
+    `cudaMemcpyBatchAsync` per chunk or one `cudaMemcpyAsync` per copy. An operation of more
+    pages than the staging capacity is pipelined (unless `pipeline=False`): chunks of half
+    the capacity alternate between its two halves, the relayout running on a second stream
+    so it overlaps the previous chunk's copies; otherwise chunks of the whole capacity on the
+    current stream. The copies are on the current stream, which is ordered after every
+    relayout, so work queued after this call on the current stream sees the host pages
     written. The host never waits for the device. Byte-identical to
     `reference.write_back_all_layer_ref(..., "page_first", ...)`.
 
     Args:
-        k_layers, v_layers: the device pool's L layers, each `[device_slots, H, Dh]` (CUDA, contiguous).
-        host_k, host_v: page_first host buffers `[S, L, H, Dh]` (pinned or registered), e.g.
-            the host pool's `kv_buffer[0]` / `kv_buffer[1]`.
-        staging_k, staging_v: device buffers of `capacity * P * L * H * Dh` elements each (the host
-            pool's `[capacity, P, L, H, Dh]` staging buffers, capacity in pages); None: a temporary
-            of min(pages, 64) pages per call.
+        kinds: per kind the device pool's L layers, each `[device_slots, *item]` (CUDA,
+            contiguous, one item shape for all kinds); 1 or 2 kinds (the kernel's limit).
+        hosts: per kind the page_first host buffer `[S, L, *item]` (pinned or registered),
+            e.g. the host pool's `kv_buffers`.
+        stagings: per kind a device buffer of `capacity * P * L * prod(item)` elements (the
+            host pool's `[capacity, P, L, *item]` staging buffers, capacity in pages); None
+            (or any None): a temporary of min(pages, 64) pages per kind and call.
         device_indices: int32/int64 `[n]` device slots on the device (any slots; read per token).
         host_indices: int32/int64 `[n]` host slots on the CPU, page-aligned runs of P slots inside
             the host buffers (checked on the CPU).
@@ -213,43 +238,16 @@ def transfer_hicache_all_layer_staged_lf_pf(
         sort_pages: stage pages in host-page order (more merging); False keeps the given order.
         pipeline: allow overlapping relayout and copies (two staging halves, a second stream).
     Returns:
-        StagedWriteBackStats of what was enqueued.
+        StagedWriteBackStats of what was enqueued (`copies` counts every kind's copies).
     Raises:
-        ValueError: shapes, dtypes, devices, index placement, or host pages that are not
-            page-aligned runs inside the host buffers (nothing is enqueued then).
+        ValueError: shapes, dtypes, devices, index placement, a kind count other than 1 or 2,
+            or host pages that are not page-aligned runs inside the host buffers (nothing is
+            enqueued then).
         RuntimeError: the kernels cannot be built, or a CUDA call failed.
     """
-    first = k_layers[0]
-    if staging_k is None or staging_v is None:
-        pages = device_indices.numel() // max(page_size, 1)
-        staging_k = _default_staging(first.device, pages, page_size, len(k_layers), first.shape[1:], first.dtype)
-        staging_v = torch.empty_like(staging_k)
-    return _staged([k_layers, v_layers], [host_k, host_v], [staging_k, staging_v], device_indices, host_indices,
-                   page_size, copy_mode, merge_runs, sort_pages, pipeline)
-
-
-def transfer_hicache_all_layer_mla_staged_lf_pf(
-    kv_layers: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    staging: torch.Tensor | None,
-    *,
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    page_size: int,
-    copy_mode: str = "auto",
-    merge_runs: bool = True,
-    sort_pages: bool = True,
-    pipeline: bool = True,
-) -> StagedWriteBackStats:
-    """MLA staged write-back of every layer: device `[device_slots, 1, Dm]` layers -> host
-    page_first `[S, L, 1, Dm]`; staging holds `capacity * P * L * Dm` elements
-    (`[capacity, P, L, 1, Dm]`). Everything else as `transfer_hicache_all_layer_staged_lf_pf`.
-    """
-    first = kv_layers[0]
-    if staging is None:
-        pages = device_indices.numel() // max(page_size, 1)
-        staging = _default_staging(first.device, pages, page_size, len(kv_layers), first.shape[1:], first.dtype)
-    return _staged([kv_layers], [host_kv], [staging], device_indices, host_indices, page_size, copy_mode, merge_runs,
+    _check_kind_count(kinds, hosts)
+    stagings = _stagings_or_default(kinds, stagings, device_indices, page_size)
+    return _staged(kinds, hosts, stagings, device_indices, host_indices, page_size, copy_mode, merge_runs,
                    sort_pages, pipeline)
 
 
@@ -261,10 +259,8 @@ def _device_host_indices(host_indices: torch.Tensor, device: torch.device) -> to
 
 
 def transfer_hicache_one_layer(
-    host_k: torch.Tensor,
-    host_v: torch.Tensor | None,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor | None,
+    hosts: Sequence[torch.Tensor],
+    layers: Sequence[torch.Tensor],
     layout: str,
     layer_id: int,
     *,
@@ -273,14 +269,13 @@ def transfer_hicache_one_layer(
     page_size: int,
     block_quota: int = DEFAULT_BLOCK_QUOTA,
 ) -> None:
-    """Load-back of one layer: host buffer(s) in `layout` -> device layer(s), token by token,
-    by an SM kernel of at most `block_quota` blocks reading mapped host memory.
+    """Load-back of one layer of 1 or 2 kinds in one launch: host buffers in `layout` ->
+    device layers, token by token, by an SM kernel of at most `block_quota` blocks reading
+    mapped host memory.
 
     Args:
-        host_k, host_v: one kind's host buffer each (per-kind shape of `layout`, see
-            `reference.py`), pinned; host_v None for MLA (one kind).
-        k_layer, v_layer: layer `layer_id` of the device pool, `[device_slots, *item]`; v_layer
-            None for MLA.
+        hosts: per kind the host buffer (per-kind shape of `layout`, see `reference.py`), pinned.
+        layers: per kind layer `layer_id` of the device pool, `[device_slots, *item]`.
         layout: host layout.
         layer_id: the host layer to read.
         host_indices: int32/int64 `[n]` host slots, on the CPU (copied to the device without
@@ -289,13 +284,11 @@ def transfer_hicache_one_layer(
         page_size: P (host page geometry; n need not be page-aligned on the device side).
         block_quota: blocks of the kernel (>= 1).
     Raises:
-        ValueError: shapes, dtypes, devices, index placement, layer_id or block_quota that do not fit.
+        ValueError: shapes, dtypes, devices, index placement, layer_id, kind count or
+            block_quota that do not fit.
     """
     reference.check_layout(layout)
-    hosts = [host_k] if host_v is None else [host_k, host_v]
-    layers = [k_layer] if v_layer is None else [k_layer, v_layer]
-    if len(hosts) != len(layers):
-        raise ValueError("give host_v and v_layer together (MHA) or neither (MLA)")
+    _check_kind_count(layers, hosts)
     first = layers[0]
     if first.device.type != "cuda":
         raise ValueError(f"device layer must be on CUDA, got {first.device}")
@@ -347,8 +340,7 @@ def transfer_hicache_all_layer(
         ValueError: as `transfer_hicache_one_layer`.
     """
     reference.check_layout(layout)
-    if len(kinds) != len(hosts) or len(kinds) not in (1, 2):
-        raise ValueError(f"give 1 or 2 kinds with one host buffer each, got {len(kinds)} kinds, {len(hosts)} buffers")
+    _check_kind_count(kinds, hosts)
     if block_quota < 1:
         raise ValueError(f"block_quota must be >= 1, got {block_quota}")
     table = utils.layer_pointer_table(kinds)
@@ -385,92 +377,63 @@ def _route(device: torch.device, io_backend: str, item_bytes: int) -> bool:
     return True
 
 
-def _kind_views(host_kv: torch.Tensor, num_kinds: int) -> list[torch.Tensor]:
-    if num_kinds == 1:
-        return [host_kv]
-    if host_kv.dim() == 0 or host_kv.shape[0] != 2:
-        raise ValueError(f"MHA host_kv must have a leading K/V axis of 2, got shape {tuple(host_kv.shape)}")
-    return [host_kv[0], host_kv[1]]
-
-
-def _write_back(kinds, host_kv, layout, device_indices, host_indices, page_size, io_backend, stagings):
-    _check_host_indices(host_indices)
-    first = kinds[0][0]
-    if not _route(first.device, io_backend, math.prod(first.shape[1:]) * first.element_size()):
-        if len(kinds) == 2:
-            reference.write_back_all_layer_ref(kinds[0], kinds[1], host_kv, layout, device_indices=device_indices,
-                                               host_indices=host_indices, page_size=page_size)
-        else:
-            reference.write_back_all_layer_mla_ref(kinds[0], host_kv, layout, device_indices=device_indices,
-                                                   host_indices=host_indices, page_size=page_size)
-        return
-    reference.check_layout(layout)
-    hosts = _kind_views(host_kv, len(kinds))
-    if layout == "page_first":
-        if any(s is None for s in stagings):
-            pages = device_indices.numel() // max(page_size, 1)
-            stagings = [_default_staging(first.device, pages, page_size, len(kinds[0]), first.shape[1:], first.dtype)
-                        for _ in kinds]
-        _staged(kinds, hosts, stagings, device_indices, host_indices, page_size, "auto", True)
-    else:
-        transfer_hicache_all_layer(kinds, hosts, layout, device_indices=device_indices, host_indices=host_indices,
-                                   page_size=page_size)
+def _item_bytes(kinds: Sequence[KVKind], layer_id: int = 0) -> int:
+    layer = kinds[0][0][layer_id] if kinds and len(kinds[0][0]) > layer_id >= 0 else None
+    if layer is None:
+        raise ValueError(f"no device layer {layer_id} in the given kinds")
+    return math.prod(layer.shape[1:]) * layer.element_size()
 
 
 def write_back_all_layer(
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
+    kinds: Sequence[KVKind],
     layout: str,
     *,
     device_indices: torch.Tensor,
     host_indices: torch.Tensor,
     page_size: int,
     io_backend: str,
-    staging_k: torch.Tensor | None = None,
-    staging_v: torch.Tensor | None = None,
+    stagings: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
-    """MHA write-back (device -> host) of every layer of the given slots.
+    """Write-back (device -> host) of every layer of every kind for the given slots.
 
     Args:
-        k_layers, v_layers: the device pool's L tensors `[device_slots, H, Dh]`.
-        host_kv: host buffer `[2, *per-kind shape of layout]` (see `reference.py`).
+        kinds: per kind a `KVKind(device_layers, host)` (MHA: K then V; MLA: the latent row):
+            the device pool's L tensors `[device_slots, *item]` and the host pool's buffer of
+            that kind (per-kind shape of `layout`, see `reference.py`).
         layout: host layout.
         device_indices: int32/int64 `[n]` on the device pool's device.
         host_indices: int32/int64 `[n]` on the CPU, page-aligned runs of whole pages.
         page_size: tokens per page.
         io_backend: `kernel` or `direct`.
-        staging_k, staging_v: the host pool's staging buffers (CUDA + page_first), used by the
-            staged kernel path; None there allocates temporaries.
+        stagings: per kind the host pool's staging buffer (CUDA + page_first), used by the
+            staged kernel path; None (or any None) there allocates temporaries.
     Raises:
         ValueError: bad shapes, dtypes, devices, index placement or io_backend.
     """
-    _write_back([k_layers, v_layers], host_kv, layout, device_indices, host_indices, page_size, io_backend,
-                [staging_k, staging_v])
-
-
-def write_back_all_layer_mla(
-    kv_layers: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    layout: str,
-    *,
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    page_size: int,
-    io_backend: str,
-    staging: torch.Tensor | None = None,
-) -> None:
-    """MLA write-back (device -> host) of every layer; kv_layers are `[device_slots, 1, Dm]`.
-
-    Arguments, errors: as in `write_back_all_layer`, with one host buffer and one staging buffer.
-    """
-    _write_back([kv_layers], host_kv, layout, device_indices, host_indices, page_size, io_backend, [staging])
+    _check_host_indices(host_indices)
+    item_bytes = _item_bytes(kinds)
+    if not _route(kinds[0][0][0].device, io_backend, item_bytes):
+        reference.write_back_all_layer_ref(kinds, layout, device_indices=device_indices, host_indices=host_indices,
+                                           page_size=page_size)
+        return
+    reference.check_layout(layout)
+    stagings = [None] * len(kinds) if stagings is None else list(stagings)
+    # One launch (or staged pass) per group of at most KERNEL_MAX_KINDS kinds: MHA's K and V
+    # together through the paired kernels, as before the kinds API; MLA's one kind alone.
+    for begin in range(0, len(kinds), KERNEL_MAX_KINDS):
+        group = kinds[begin:begin + KERNEL_MAX_KINDS]
+        layers, hosts = [k[0] for k in group], [k[1] for k in group]
+        if layout == "page_first":
+            group_stagings = stagings[begin:begin + len(group)]
+            transfer_hicache_all_layer_staged_lf_pf(layers, hosts, group_stagings, device_indices=device_indices,
+                                                    host_indices=host_indices, page_size=page_size)
+        else:
+            transfer_hicache_all_layer(layers, hosts, layout, device_indices=device_indices,
+                                       host_indices=host_indices, page_size=page_size)
 
 
 def load_back_one_layer(
-    host_kv: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
+    kinds: Sequence[KVKind],
     layout: str,
     layer_id: int,
     *,
@@ -479,38 +442,19 @@ def load_back_one_layer(
     page_size: int,
     io_backend: str,
 ) -> None:
-    """MHA load-back (host -> device) of layer `layer_id` into `k_layer`, `v_layer` `[device_slots, H, Dh]`.
+    """Load-back (host -> device) of layer `layer_id` of every kind into `device_layers[layer_id]`.
 
     Arguments, errors: as in `write_back_all_layer`; ValueError too if layer_id is out of range.
     """
     _check_host_indices(host_indices)
-    if not _route(k_layer.device, io_backend, math.prod(k_layer.shape[1:]) * k_layer.element_size()):
-        reference.load_back_one_layer_ref(host_kv, k_layer, v_layer, layout, layer_id, host_indices=host_indices,
+    if not 0 <= layer_id < (len(kinds[0][0]) if kinds else 0):
+        raise ValueError(f"layer_id={layer_id} out of range for {len(kinds[0][0]) if kinds else 0} layers")
+    if not _route(kinds[0][0][layer_id].device, io_backend, _item_bytes(kinds, layer_id)):
+        reference.load_back_one_layer_ref(kinds, layout, layer_id, host_indices=host_indices,
                                           device_indices=device_indices, page_size=page_size)
         return
     reference.check_layout(layout)
-    host_k, host_v = _kind_views(host_kv, 2)
-    transfer_hicache_one_layer(host_k, host_v, k_layer, v_layer, layout, layer_id, host_indices=host_indices,
-                               device_indices=device_indices, page_size=page_size)
-
-
-def load_back_one_layer_mla(
-    host_kv: torch.Tensor,
-    kv_layer: torch.Tensor,
-    layout: str,
-    layer_id: int,
-    *,
-    host_indices: torch.Tensor,
-    device_indices: torch.Tensor,
-    page_size: int,
-    io_backend: str,
-) -> None:
-    """MLA load-back (host -> device) of layer `layer_id` into `kv_layer` `[device_slots, 1, Dm]`."""
-    _check_host_indices(host_indices)
-    if not _route(kv_layer.device, io_backend, math.prod(kv_layer.shape[1:]) * kv_layer.element_size()):
-        reference.load_back_one_layer_mla_ref(host_kv, kv_layer, layout, layer_id, host_indices=host_indices,
-                                              device_indices=device_indices, page_size=page_size)
-        return
-    reference.check_layout(layout)
-    transfer_hicache_one_layer(host_kv, None, kv_layer, None, layout, layer_id, host_indices=host_indices,
-                               device_indices=device_indices, page_size=page_size)
+    for begin in range(0, len(kinds), KERNEL_MAX_KINDS):
+        group = kinds[begin:begin + KERNEL_MAX_KINDS]
+        transfer_hicache_one_layer([k[1] for k in group], [k[0][layer_id] for k in group], layout, layer_id,
+                                   host_indices=host_indices, device_indices=device_indices, page_size=page_size)

@@ -16,7 +16,9 @@ Vocabulary (shared with `hiserve.mem_cache.memory_pool_host`):
   | `page_first`        | `[S, L, *item]`          |
   | `page_first_direct` | `[S/P, L, P, *item]`     |
 
-  An MHA host pool stacks K and V in front (`[2, ...]`), an MLA pool has just the one.
+  A host pool keeps one such buffer per kind (`HostKVCache.kv_buffers`).
+* A transfer takes a sequence of kinds, each a `KVKind(device_layers, host)`, and moves
+  every kind the same way.
 * `device_indices` are slots of the device pool, on the device layers' device;
   `host_indices` are slots of the host pool, on the host buffer's device (the CPU).
   Both are 1-D int32 or int64 of equal length, a whole number of pages; the i-th device
@@ -33,7 +35,7 @@ of whole pages on both sides; comparing the two is the point of the oracle.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -129,22 +131,38 @@ def _check_pair(device_indices: torch.Tensor, host_indices: torch.Tensor, page_s
         raise ValueError(f"page_size must be > 0, got {page_size}")
 
 
+class KVKind(NamedTuple):
+    """One kind of a transfer: the device pool's L per-layer tensors of that kind, each
+    `[device_slots, *item]`, and the host buffer of the same kind (per-kind shape of the layout).
+
+    Plain `(device_layers, host)` tuples are accepted wherever a KVKind is."""
+
+    device_layers: Sequence[torch.Tensor]
+    host: torch.Tensor
+
+
 def _check_kind(
     layout: str,
     device_layers: Sequence[torch.Tensor],
     host: torch.Tensor,
     page_size: int,
     name: str,
+    layer_id: int | None = None,
 ) -> None:
-    """The device layers and the host buffer of one kind agree on layers, item shape, dtype."""
+    """The device layers and the host buffer of one kind agree on layers, item shape, dtype.
+
+    With `layer_id` (a load-back) only that layer is inspected: checking all L layers on each
+    of the L per-layer calls would cost O(L^2) Python work per load-back."""
     if len(device_layers) == 0:
         raise ValueError(f"{name}: no device layers given")
-    first = device_layers[0]
+    if layer_id is not None and not 0 <= layer_id < len(device_layers):
+        raise ValueError(f"layer_id={layer_id} out of range for {len(device_layers)} layers")
+    first = device_layers[0 if layer_id is None else layer_id]
     item = tuple(first.shape[1:])
-    for layer_id, layer in enumerate(device_layers):
+    for index, layer in enumerate(device_layers if layer_id is None else ()):
         if tuple(layer.shape[1:]) != item or layer.dtype != first.dtype or layer.device != first.device:
             raise ValueError(
-                f"{name}: device layer {layer_id} is {tuple(layer.shape)} {layer.dtype} on {layer.device}, "
+                f"{name}: device layer {index} is {tuple(layer.shape)} {layer.dtype} on {layer.device}, "
                 f"layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}"
             )
     if host.dtype != first.dtype:
@@ -156,6 +174,28 @@ def _check_kind(
             f"{name}: host buffer shape {tuple(host.shape)} does not match layout {layout!r} "
             f"with L={len(device_layers)}, P={page_size}, item={item}; expected {expected}"
         )
+
+
+def _check_kinds(layout, kinds, page_size, layer_id=None) -> torch.device:
+    """Every kind checked; returns the device of the device layers (one for all kinds)."""
+    if len(kinds) == 0:
+        raise ValueError("no kinds given")
+    pick = 0 if layer_id is None else layer_id
+    for index, (layers, host) in enumerate(kinds):
+        _check_kind(layout, layers, host, page_size, f"kind {index}", layer_id)
+        if layers[pick].device != kinds[0][0][pick].device:
+            raise ValueError(f"kind {index}: device layers on {layers[pick].device}, kind 0 on "
+                             f"{kinds[0][0][pick].device}")
+    return kinds[0][0][pick].device
+
+
+def _check_transfer(layout, kinds, device_indices, host_indices, page_size, layer_id=None) -> None:
+    check_layout(layout)
+    _check_pair(device_indices, host_indices, page_size)
+    device = _check_kinds(layout, kinds, page_size, layer_id)
+    check_index_tensor(device_indices, "device_indices", device)
+    check_index_tensor(host_indices, "host_indices", kinds[0][1].device)
+    check_page_runs(host_indices, page_size, "host_indices")
 
 
 # ----------------------------------------------------------------------------- plain copies
@@ -202,95 +242,34 @@ def _load_back_kind(
     device_layer[device_indices.to(torch.int64)] = rows.to(device_layer.device)
 
 
-def _check_write_back(layout, kinds, device_indices, host_indices, page_size) -> None:
-    check_layout(layout)
-    _check_pair(device_indices, host_indices, page_size)
-    for name, layers, host in kinds:
-        _check_kind(layout, layers, host, page_size, name)
-    check_index_tensor(device_indices, "device_indices", kinds[0][1][0].device)
-    check_index_tensor(host_indices, "host_indices", kinds[0][2].device)
-    check_page_runs(host_indices, page_size, "host_indices")
-
-
 def write_back_all_layer_ref(
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
+    kinds: Sequence[KVKind],
     layout: str,
     *,
     device_indices: torch.Tensor,
     host_indices: torch.Tensor,
     page_size: int,
 ) -> None:
-    """MHA write-back of every layer: device `layer_first` -> host `layout`.
+    """Write-back of every layer of every kind: device `layer_first` -> host `layout`.
 
     Args:
-        k_layers, v_layers: L device tensors `[device_slots, H, Dh]`.
-        host_kv: the host pool buffer, `[2, *per-kind shape]` (K = `[0]`, V = `[1]`).
+        kinds: per kind (MHA: K then V; MLA: the latent row) a `KVKind(device_layers, host)`:
+            L device tensors `[device_slots, *item]` and that kind's host buffer (per-kind
+            shape of `layout`, e.g. a host pool's `kv_buffers[i]`).
         layout: `layer_first`, `page_first` or `page_first_direct`.
         device_indices: int32/int64 `[n]` on the device layers' device.
-        host_indices: int32/int64 `[n]` on `host_kv.device`, page-aligned runs of whole pages.
+        host_indices: int32/int64 `[n]` on the host buffers' device, page-aligned runs of whole pages.
         page_size: tokens per page P.
     Raises:
         ValueError: shapes, dtypes, devices or indices that do not fit (message names the value).
     """
-    if host_kv.dim() == 0 or host_kv.shape[0] != 2:
-        raise ValueError(f"MHA host_kv must have a leading K/V axis of 2, got shape {tuple(host_kv.shape)}")
-    kinds = [("K", k_layers, host_kv[0]), ("V", v_layers, host_kv[1])]
-    _check_write_back(layout, kinds, device_indices, host_indices, page_size)
-    for _, layers, host in kinds:
+    _check_transfer(layout, kinds, device_indices, host_indices, page_size)
+    for layers, host in kinds:
         _write_back_kind(layers, host, layout, device_indices, host_indices, page_size)
 
 
-def write_back_all_layer_mla_ref(
-    kv_layers: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    layout: str,
-    *,
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    page_size: int,
-) -> None:
-    """MLA write-back of every layer: device `layer_first` -> host `layout`.
-
-    Args:
-        kv_layers: L device tensors `[device_slots, 1, Dm]` (Dm = kv_lora_rank + qk_rope_head_dim).
-        host_kv: the host pool buffer (per-kind shape of `layout`, no K/V axis).
-        Others as in `write_back_all_layer_ref`.
-    """
-    kinds = [("KV", kv_layers, host_kv)]
-    _check_write_back(layout, kinds, device_indices, host_indices, page_size)
-    _write_back_kind(kv_layers, host_kv, layout, device_indices, host_indices, page_size)
-
-
-def _check_load_back(layout, kinds, layer_id, layer_num, device_indices, host_indices, page_size) -> None:
-    check_layout(layout)
-    _check_pair(device_indices, host_indices, page_size)
-    if not 0 <= layer_id < layer_num:
-        raise ValueError(f"layer_id={layer_id} out of range for {layer_num} host layers")
-    for name, host, device_layer in kinds:
-        if device_layer.dtype != host.dtype:
-            raise ValueError(f"{name}: host dtype {host.dtype} != device dtype {device_layer.dtype}")
-        slots = host_kind_slots(layout, host, page_size)
-        expected = host_kind_shape(layout, slots, layer_num, page_size, device_layer.shape[1:])
-        if tuple(host.shape) != expected:
-            raise ValueError(
-                f"{name}: host buffer shape {tuple(host.shape)} does not match device layer "
-                f"{tuple(device_layer.shape)} for layout {layout!r}; expected {expected}"
-            )
-    check_index_tensor(device_indices, "device_indices", kinds[0][2].device)
-    check_index_tensor(host_indices, "host_indices", kinds[0][1].device)
-    check_page_runs(host_indices, page_size, "host_indices")
-
-
-def _host_layer_num(layout: str, host: torch.Tensor) -> int:
-    return host.shape[0] if layout == "layer_first" else host.shape[1]
-
-
 def load_back_one_layer_ref(
-    host_kv: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
+    kinds: Sequence[KVKind],
     layout: str,
     layer_id: int,
     *,
@@ -298,66 +277,30 @@ def load_back_one_layer_ref(
     device_indices: torch.Tensor,
     page_size: int,
 ) -> None:
-    """MHA load-back of one layer: host `layout` -> device `layer_first`.
+    """Load-back of layer `layer_id` of every kind: host `layout` -> device `layer_first`
+    (writes `device_layers[layer_id]` of each kind).
 
     Args:
-        host_kv: the host pool buffer `[2, *per-kind shape]`.
-        k_layer, v_layer: the device tensors of layer `layer_id`, `[device_slots, H, Dh]`.
-        layer_id: which host layer to read.
-        host_indices, device_indices, page_size: as in `write_back_all_layer_ref`.
+        kinds, host_indices, device_indices, page_size: as in `write_back_all_layer_ref`.
+        layer_id: which layer to move.
     Raises:
         ValueError: as in `write_back_all_layer_ref`, or layer_id out of range.
     """
-    if host_kv.dim() == 0 or host_kv.shape[0] != 2:
-        raise ValueError(f"MHA host_kv must have a leading K/V axis of 2, got shape {tuple(host_kv.shape)}")
-    kinds = [("K", host_kv[0], k_layer), ("V", host_kv[1], v_layer)]
-    layer_num = _host_layer_num(layout, host_kv[0]) if layout in LAYOUTS else 0
-    _check_load_back(layout, kinds, layer_id, layer_num, device_indices, host_indices, page_size)
-    for _, host, device_layer in kinds:
-        _load_back_kind(host, device_layer, layout, layer_id, host_indices, device_indices, page_size)
-
-
-def load_back_one_layer_mla_ref(
-    host_kv: torch.Tensor,
-    kv_layer: torch.Tensor,
-    layout: str,
-    layer_id: int,
-    *,
-    host_indices: torch.Tensor,
-    device_indices: torch.Tensor,
-    page_size: int,
-) -> None:
-    """MLA load-back of one layer: host `layout` -> device `layer_first` `[device_slots, 1, Dm]`."""
-    layer_num = _host_layer_num(layout, host_kv) if layout in LAYOUTS else 0
-    _check_load_back(layout, [("KV", host_kv, kv_layer)], layer_id, layer_num, device_indices, host_indices, page_size)
-    _load_back_kind(host_kv, kv_layer, layout, layer_id, host_indices, device_indices, page_size)
+    _check_transfer(layout, kinds, device_indices, host_indices, page_size, layer_id)
+    for layers, host in kinds:
+        _load_back_kind(host, layers[layer_id], layout, layer_id, host_indices, device_indices, page_size)
 
 
 # ----------------------------------------------------------------------------- staged write-back
 
 
-def _staged_lf_pf(
-    kinds: list[tuple[str, Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None]],
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    page_size: int,
-) -> None:
-    """Shared body of the MHA and MLA staged references; `kinds` = (name, layers, host, staging)."""
-    _check_pair(device_indices, host_indices, page_size)
-    for name, layers, host, _ in kinds:
-        _check_kind("page_first", layers, host, page_size, name)
-    device = kinds[0][1][0].device
-    check_index_tensor(device_indices, "device_indices", device)
-    check_index_tensor(host_indices, "host_indices", torch.device("cpu"))
-    check_page_runs(device_indices, page_size, "device_indices")
-    check_page_runs(host_indices, page_size, "host_indices")
-
-    num_pages = device_indices.numel() // page_size
-    if num_pages == 0:
-        return
-    layer_num = len(kinds[0][1])
-    staging_buffers = []
-    for name, layers, host, staging in kinds:
+def _staging_buffers(kinds, stagings, num_pages, page_size, device) -> list[torch.Tensor]:
+    """The given staging buffer of each kind (checked), or a temporary of min(pages, 64) pages."""
+    stagings = [None] * len(kinds) if stagings is None else list(stagings)
+    if len(stagings) != len(kinds):
+        raise ValueError(f"{len(stagings)} staging buffers for {len(kinds)} kinds")
+    layer_num, out = len(kinds[0][0]), []
+    for index, ((layers, host), staging) in enumerate(zip(kinds, stagings)):
         item = tuple(layers[0].shape[1:])
         if staging is None:
             capacity = min(num_pages, WRITE_BACK_STAGING_PAGE_CHUNK)
@@ -370,10 +313,50 @@ def _staged_lf_pf(
             or staging.device != device
         ):
             raise ValueError(
-                f"{name}: staging buffer {tuple(staging.shape)} {staging.dtype} on {staging.device} must be "
-                f"[capacity >= 1, {page_size}, {layer_num}, *{item}] {host.dtype} on {device}"
+                f"kind {index}: staging buffer {tuple(staging.shape)} {staging.dtype} on {staging.device} must "
+                f"be [capacity >= 1, {page_size}, {layer_num}, *{item}] {host.dtype} on {device}"
             )
-        staging_buffers.append(staging)
+        out.append(staging)
+    return out
+
+
+def transfer_all_layer_staged_lf_pf_ref(
+    kinds: Sequence[KVKind],
+    *,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    page_size: int,
+    stagings: Sequence[torch.Tensor | None] | None = None,
+) -> None:
+    """Staged write-back, device `layer_first` -> host `page_first`, the way the CUDA path does it.
+
+    Per chunk of at most `capacity` pages: gather each page's tokens of every layer into the
+    kind's staging buffer in `[page][token][layer][element]` order, then copy each staged page
+    as one contiguous run to its host page. The result equals `write_back_all_layer_ref(...,
+    "page_first", ...)` byte for byte.
+
+    Args:
+        kinds: per kind a `KVKind(device_layers, host)`: L device tensors `[device_slots, *item]`
+            and the kind's page_first host buffer `[S, L, *item]`.
+        device_indices: int32/int64 `[n]` on the device, page-aligned runs of whole pages
+            (only each page's first slot is read; values are checked only on the CPU).
+        host_indices: int32/int64 `[n]` on the CPU, page-aligned runs of whole pages.
+        page_size: P.
+        stagings: per kind `[capacity, P, L, *item]` on the device, same dtype (the chunk size
+            is the smallest capacity); None (or a None entry): a temporary of `min(pages, 64)` pages.
+    Raises:
+        ValueError: shapes, dtypes, devices or index placement that do not fit.
+    """
+    _check_pair(device_indices, host_indices, page_size)
+    device = _check_kinds("page_first", kinds, page_size)
+    check_index_tensor(device_indices, "device_indices", device)
+    check_index_tensor(host_indices, "host_indices", torch.device("cpu"))
+    check_page_runs(device_indices, page_size, "device_indices")
+    check_page_runs(host_indices, page_size, "host_indices")
+    num_pages = device_indices.numel() // page_size
+    if num_pages == 0:
+        return
+    staging_buffers = _staging_buffers(kinds, stagings, num_pages, page_size, device)
     capacity = min(s.shape[0] for s in staging_buffers)
 
     # Only the first slot of each page is read, as the relayout kernel does.
@@ -385,7 +368,7 @@ def _staged_lf_pf(
     for begin in range(0, num_pages, capacity):
         count = min(capacity, num_pages - begin)
         slots = page_starts[begin : begin + count, None] + token_offsets  # [count, P]
-        for (_, layers, host, _), staging in zip(kinds, staging_buffers):
+        for (layers, host), staging in zip(kinds, staging_buffers):
             # Hop 1 (device -> device relayout): staging[page, token, layer, ...].
             for layer_id, layer in enumerate(layers):
                 staging[:count, :, layer_id] = layer[slots]
@@ -393,63 +376,3 @@ def _staged_lf_pf(
             for page in range(count):
                 start = host_starts[begin + page]
                 host[start : start + page_size].copy_(staging[page])
-
-
-def transfer_all_layer_staged_lf_pf_ref(
-    k_layers: Sequence[torch.Tensor],
-    v_layers: Sequence[torch.Tensor],
-    host_k: torch.Tensor,
-    host_v: torch.Tensor,
-    *,
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    page_size: int,
-    staging_k: torch.Tensor | None = None,
-    staging_v: torch.Tensor | None = None,
-) -> None:
-    """MHA staged write-back, device `layer_first` -> host `page_first`, the way the CUDA path does it.
-
-    Per chunk of at most `capacity` pages: gather each page's tokens of every layer into the
-    staging buffer in `[page][token][layer][element]` order, then copy each staged page as one
-    contiguous run to its host page. The result equals `write_back_all_layer_ref(...,
-    "page_first", ...)` byte for byte.
-
-    Args:
-        k_layers, v_layers: L device tensors `[device_slots, H, Dh]`.
-        host_k, host_v: host page_first buffers `[S, L, H, Dh]` (a `page_first` pool's
-            `kv_buffer[0]` / `kv_buffer[1]`).
-        device_indices: int32/int64 `[n]` on the device, page-aligned runs of whole pages
-            (only each page's first slot is read; values are checked only on the CPU).
-        host_indices: int32/int64 `[n]` on the CPU, page-aligned runs of whole pages.
-        page_size: P.
-        staging_k, staging_v: `[capacity, P, L, H, Dh]` on the device, same dtype; the chunk
-            size is their capacity. None: a temporary of `min(pages, 64)` pages is allocated.
-    Raises:
-        ValueError: shapes, dtypes, devices or index placement that do not fit.
-    """
-    _staged_lf_pf(
-        [("K", k_layers, host_k, staging_k), ("V", v_layers, host_v, staging_v)],
-        device_indices,
-        host_indices,
-        page_size,
-    )
-
-
-def transfer_all_layer_mla_staged_lf_pf_ref(
-    kv_layers: Sequence[torch.Tensor],
-    host_kv: torch.Tensor,
-    *,
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    page_size: int,
-    staging: torch.Tensor | None = None,
-) -> None:
-    """MLA staged write-back, device `layer_first` -> host `page_first` `[S, L, 1, Dm]`.
-
-    Args:
-        kv_layers: L device tensors `[device_slots, 1, Dm]`.
-        host_kv: host page_first buffer `[S, L, 1, Dm]`.
-        staging: `[capacity, P, L, 1, Dm]` on the device, or None (temporary).
-        Others as in `transfer_all_layer_staged_lf_pf_ref`.
-    """
-    _staged_lf_pf([("KV", kv_layers, host_kv, staging)], device_indices, host_indices, page_size)

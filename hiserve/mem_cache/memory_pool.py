@@ -72,6 +72,13 @@ class KVCache(ABC):
         """Every tensor this pool allocated."""
         ...
 
+    @abstractmethod
+    def kv_kinds(self) -> tuple[tuple[str, list[torch.Tensor]], ...]:
+        """The stored kinds, in a fixed order: (name, `layer_num` tensors `[size + page_size, *item]`)
+        per kind — MHA `("k", k_buffer), ("v", v_buffer)`, MLA `("kv", kv_buffer)`. The host tier
+        mirrors exactly these (one host buffer per kind) and moves them through one code path."""
+        ...
+
     def get_kv_size_bytes(self) -> int:
         """Bytes held by all buffers of this pool, padding page included."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -138,6 +145,9 @@ class MHATokenToKVPool(KVCache):
 
     def buffers(self) -> list[torch.Tensor]:
         return self.k_buffer + self.v_buffer
+
+    def kv_kinds(self) -> tuple[tuple[str, list[torch.Tensor]], ...]:
+        return (("k", self.k_buffer), ("v", self.v_buffer))
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """(data_ptrs, data_lens_bytes, item_bytes) per buffer, K layers then V layers."""
@@ -221,6 +231,9 @@ class MLATokenToKVPool(KVCache):
 
     def buffers(self) -> list[torch.Tensor]:
         return list(self.kv_buffer)
+
+    def kv_kinds(self) -> tuple[tuple[str, list[torch.Tensor]], ...]:
+        return (("kv", self.kv_buffer),)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """(data_ptrs, data_lens_bytes, item_bytes) per layer buffer."""

@@ -1,13 +1,19 @@
 """The host KV pool (L2): a copy of device pages in host memory, pinned when the device is CUDA.
 
-One buffer holds every layer of every host slot in one of three layouts (S host slots,
-L layers, P tokens per page, H KV heads, Dh head dim, Dm = kv_lora_rank + qk_rope_head_dim):
+The pool stores the device pool's *kinds* (`KVCache.kv_kinds()`): K and V for MHA, one
+latent row for MLA. Each kind has its own host buffer (`kv_buffers[i]`) holding every layer
+of S host slots in one of three layouts (L layers, P tokens per page, item = `(H, Dh)` for
+MHA, `(1, Dm)` for MLA with Dm = kv_lora_rank + qk_rope_head_dim):
 
-| layout                         | MHA `kv_buffer`          | MLA `kv_buffer`       |
-|--------------------------------|--------------------------|-----------------------|
-| `layer_first`                  | `[2, L, S, H, Dh]`       | `[L, S, 1, Dm]`       |
-| `page_first` (default)         | `[2, S, L, H, Dh]`       | `[S, L, 1, Dm]`       |
-| `page_first_direct`            | `[2, S/P, L, P, H, Dh]`  | `[S/P, L, P, 1, Dm]`  |
+| layout                         | per-kind buffer          | one page of one kind         |
+|--------------------------------|--------------------------|------------------------------|
+| `layer_first`                  | `[L, S, *item]`          | L runs of P tokens           |
+| `page_first` (default)         | `[S, L, *item]`          | one contiguous `[P, L, *item]` |
+| `page_first_direct`            | `[S/P, L, P, *item]`     | one contiguous `[L, P, *item]` |
+
+All kinds share one allocation (`buffer`), kind after kind. In the page-first layouts a
+page of a kind is one contiguous object (`page_object`, `page_byte_range`): what a storage
+tier reads and writes zero-copy.
 
 Host slots are handed out a whole page at a time by the pool's own allocator, so every
 page is P consecutive, page-aligned slots; the page-first copy paths rely on that.
@@ -17,186 +23,87 @@ int64 tensors and stay on the CPU: the write-back enqueues its copies with host 
 computed on the CPU, and turning a device tensor back into a CPU one (`.cpu()`) would block
 the scheduler until every transfer queued before it had finished.
 
-Sizes: names ending in `_bytes` are bytes; `size`, slots and `page_num` are counts.
-`--hicache-size` is in GB (10**9 bytes) per rank, like SGLang's.
+Sizing and the pinned buffer: `host_memory.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import mmap
-import os
 import threading
 import weakref
-from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hiserve.jit_kernel import hicache
-from hiserve.jit_kernel.reference import WRITE_BACK_STAGING_PAGE_CHUNK, check_layout, host_kind_shape
+from hiserve.jit_kernel.reference import WRITE_BACK_STAGING_PAGE_CHUNK, KVKind, check_layout, host_kind_shape
+from hiserve.mem_cache.host_memory import (  # noqa: F401 (re-exported: callers import them from here)
+    GB,
+    GiB,
+    RegisteredHostMemory,
+    host_memory_reserve_bytes,
+    host_pool_slots,
+    read_host_memory_bytes,
+    write_back_staging_bytes,
+)
 
 if TYPE_CHECKING:
     from hiserve.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool
 
 logger = logging.getLogger(__name__)
 
-GB = 10**9
-GiB = 1 << 30
-# One cudaHostRegister call covers at most this much (very large single registrations
-# fail on some drivers); chunk ends are rounded to whole pages so no copy spans two.
-HOST_REGISTER_CHUNK_BYTES = 64 * GiB
-
-
-# ----------------------------------------------------------------------------- sizing
-
-
-def host_pool_slots(
-    size_per_token_bytes: int,
-    page_size: int,
-    device_pool_size: int,
-    host_to_device_ratio: float,
-    host_size_gb: int,
-) -> int:
-    """Host slots S: `host_size_gb` GB worth of tokens when > 0, else ratio x device slots,
-    rounded down to whole pages.
-
-    Raises:
-        ValueError: the result is less than one page.
-    """
-    if host_size_gb > 0:
-        slots = int(host_size_gb * GB) // size_per_token_bytes
-        asked = f"--hicache-size {host_size_gb} GB ({host_size_gb * GB} bytes)"
-    else:
-        slots = int(device_pool_size * host_to_device_ratio)
-        asked = f"--hicache-ratio {host_to_device_ratio} x {device_pool_size} device slots"
-    slots = slots // page_size * page_size
-    if slots <= 0:
-        raise ValueError(
-            f"{asked} gives less than one host page ({page_size} tokens x {size_per_token_bytes} bytes "
-            "per token); raise --hicache-size or --hicache-ratio"
-        )
-    return slots
-
-
-def read_host_memory_bytes() -> tuple[int, int]:
-    """(available, total) host memory in bytes: /proc/meminfo MemAvailable / MemTotal,
-    further limited by a cgroup v2 memory limit when there is one."""
-    available = total = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key == "MemAvailable":
-                    available = int(rest.split()[0]) * 1024
-                elif key == "MemTotal":
-                    total = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    if available is None or total is None:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = os.sysconf("SC_PHYS_PAGES") * page
-        available = os.sysconf("SC_AVPHYS_PAGES") * page
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            total = min(total, int(limit))
-            available = min(available, max(int(limit) - used, 0))
-    except (OSError, ValueError):
-        pass
-    return available, total
-
-
-def host_memory_reserve_bytes(total_bytes: int) -> int:
-    """Host memory left alone for the OS and the rest of the process: 10% of the total,
-    at least 2 GiB, at most 10 GiB."""
-    return max(2 * GiB, min(total_bytes // 10, 10 * GiB))
-
-
-def write_back_staging_bytes(
-    layout: str, device: torch.device, page_num: int | None, page_size: int, layer_num: int,
-    item_bytes: int, num_buffers: int,
-) -> int:
-    """Device bytes of the write-back staging buffers (0 unless `page_first` on CUDA).
-
-    `item_bytes` is one token of one layer of one buffer (K or V or the MLA row);
-    `num_buffers` is 2 for MHA, 1 for MLA; `page_num` None means the 64-page upper bound
-    (for budgeting before the host pool exists).
-    """
-    if layout != "page_first" or torch.device(device).type != "cuda":
-        return 0
-    capacity = WRITE_BACK_STAGING_PAGE_CHUNK if page_num is None else min(page_num, WRITE_BACK_STAGING_PAGE_CHUNK)
-    return num_buffers * capacity * page_size * layer_num * item_bytes
-
-
-# ----------------------------------------------------------------------------- pinned buffer
-
-
-class _RegisteredHostMemory:
-    """An exact-size anonymous mmap registered with CUDA (cudaHostRegister) chunk by chunk.
-
-    torch's `pin_memory=True` goes through a caching allocator that rounds every request up
-    to a power of two (a 20 GiB pool would take 32 GiB); an mmap is exactly the size asked.
-    """
-
-    def __init__(self, nbytes: int, granularity_bytes: int) -> None:
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        chunk = max(HOST_REGISTER_CHUNK_BYTES // granularity_bytes, 1) * granularity_bytes
-        self._registered: list[int] = []
-        base = self.tensor.data_ptr()
-        cudart = torch.cuda.cudart()
-        for offset in range(0, nbytes, chunk):
-            length = min(chunk, nbytes - offset)
-            err = int(cudart.cudaHostRegister(base + offset, length, 0))
-            if err != 0:
-                self.release()
-                raise RuntimeError(
-                    f"cudaHostRegister of {length} bytes at offset {offset} of a {nbytes}-byte host KV "
-                    f"pool failed with cudaError {err}; lower --hicache-size / --hicache-ratio"
-                )
-            self._registered.append(base + offset)
-
-    def release(self) -> None:
-        """Unregister every chunk (idempotent). The memory itself goes with the last tensor view."""
-        if not self._registered:
-            return
-        cudart = torch.cuda.cudart()
-        for ptr in self._registered:
-            err = int(cudart.cudaHostUnregister(ptr))
-            if err != 0:
-                logger.warning("cudaHostUnregister(0x%x) failed with cudaError %d", ptr, err)
-        self._registered = []
-
 
 # ----------------------------------------------------------------------------- pools
 
 
-class HostKVCache(ABC):
-    """Host pool of S slots in `layout`, with a page-granular slot allocator.
+@dataclass(frozen=True)
+class HostKVKind:
+    """One kind the host pool stores (MHA: "k" and "v"; MLA: "kv", the latent row).
+
+    Attributes:
+        name: the device pool's kind name (`KVCache.kv_kinds`); namespaces storage keys.
+        item_shape: one token of one layer, `(H, Dh)` or `(1, Dm)`.
+        token_bytes: one token across all layers, L * prod(item_shape) * itemsize.
+        page_bytes: one page, P * token_bytes: the size of one `page_object`.
+    """
+
+    name: str
+    item_shape: tuple[int, ...]
+    token_bytes: int
+    page_bytes: int
+
+
+class HostKVCache:
+    """Host pool of S slots in `layout`, one buffer per kind, with a page-granular slot allocator.
+
+    The kinds are the device pool's (`device_pool.kv_kinds()`); every transfer moves all of
+    them through one path, `hicache.write_back_all_layer` / `hicache.load_back_one_layer`.
 
     Args:
-        device_pool: the device pool (L1) this pool backs; gives dtype, layers, item shape, device.
+        device_pool: the device pool (L1) this pool backs; gives kinds, dtype, layers, device.
         host_to_device_ratio: S = ratio x device slots when `host_size_gb` is 0.
         host_size_gb: S = this many GB (10**9 bytes) of tokens when > 0 (per rank).
         page_size: tokens per page; must equal the device pool's.
         layout: `layer_first`, `page_first` or `page_first_direct`.
         pin_memory: register the buffer with CUDA; None = yes exactly when the device is CUDA.
     Attributes:
-        kv_buffer: the host buffer (see the module table), on the CPU, device dtype.
-        size, page_num: host slots and pages. size_bytes: bytes of kv_buffer.
-        staging_page_capacity, staging_buffer_bytes: the write-back staging buffers' size
-            (0 / 0 unless page_first on CUDA); count staging_buffer_bytes in the device budget.
+        kinds: a `HostKVKind` per kind, in the device pool's order.
+        kv_buffers: per kind the host buffer (shape in the module table), on the CPU, device
+            dtype; consecutive, non-overlapping views of `buffer`.
+        buffer: the pool's one allocation, uint8 `[size_bytes]`.
+        size, page_num: host slots and pages. size_bytes: bytes of all kinds.
+        staging_buffers, staging_page_capacity, staging_buffer_bytes: the write-back staging
+            buffers, one per kind, and their size ([] / 0 / 0 unless page_first on CUDA);
+            count staging_buffer_bytes in the device budget.
     Raises:
         ValueError: unknown layout, page size mismatch, less than one page, pinning without
             CUDA, or a pool that does not fit in available host memory minus a reserve.
+        TypeError: a subclass given a device pool of other kinds than it states.
     """
 
-    num_buffers = 1  # kinds stored: 2 for MHA (K, V), 1 for MLA
+    expected_kinds: tuple[str, ...] = ()  # a subclass states its model's kinds; () takes any
 
     def __init__(
         self,
@@ -216,6 +123,7 @@ class HostKVCache(ABC):
         self.page_size = page_size
         self.layout = layout
         self.device = torch.device("cpu")
+        self.kinds = self._describe_kinds(device_pool)
 
         self.size_per_token_bytes = self.get_size_per_token_bytes()
         self.size = host_pool_slots(
@@ -233,8 +141,9 @@ class HostKVCache(ABC):
         self.pin_memory = on_cuda if pin_memory is None else pin_memory
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA; the host pool of a CPU device pool is plain memory")
-        self._registered: _RegisteredHostMemory | None = None
-        self.kv_buffer = self._alloc_buffer(self.get_buffer_shape())
+        self._registered: RegisteredHostMemory | None = None
+        self._transfer_kinds_cache: tuple["KVCache", list[KVKind]] | None = None
+        self.kv_buffers = self._alloc_buffers()
         self._finalizer = (
             weakref.finalize(self, self._registered.release) if self._registered is not None else None
         )
@@ -243,25 +152,38 @@ class HostKVCache(ABC):
         self.clear()
         self._init_write_back_staging_buffers()
         logger.info(
-            "host KV pool: %s, %d slots (%d pages of %d), %.2f GB%s, staging %d bytes",
-            layout, self.size, self.page_num, page_size, self.size_bytes / GB,
-            " pinned" if self.pin_memory else "", self.staging_buffer_bytes)
+            "host KV pool: %s, kinds %s, %d slots (%d pages of %d), %.2f GB%s, staging %d bytes",
+            layout, "/".join(k.name for k in self.kinds), self.size, self.page_num, page_size,
+            self.size_bytes / GB, " pinned" if self.pin_memory else "", self.staging_buffer_bytes)
 
-    # -- per-kind shape, defined by MHA / MLA
+    # -- kinds
 
-    @property
-    @abstractmethod
-    def item_shape(self) -> tuple[int, ...]:
-        """Shape of one token of one layer of one kind: (H, Dh) for MHA, (1, Dm) for MLA."""
-        ...
+    def _describe_kinds(self, device_pool: "KVCache") -> tuple[HostKVKind, ...]:
+        kinds = []
+        for name, layers in device_pool.kv_kinds():
+            item = tuple(layers[0].shape[1:])
+            token_bytes = self.layer_num * math.prod(item) * self.dtype.itemsize
+            kinds.append(HostKVKind(name, item, token_bytes, self.page_size * token_bytes))
+        names = tuple(k.name for k in kinds)
+        if self.expected_kinds and names != self.expected_kinds:
+            raise TypeError(f"{type(self).__name__} stores kinds {self.expected_kinds}, the device pool "
+                            f"{type(device_pool).__name__} has {names}")
+        return tuple(kinds)
+
+    def kind_index(self, kind: int | str) -> int:
+        """Position of `kind` (an index or a name such as "k", "v", "kv") in `kinds`.
+
+        Raises:
+            ValueError: no such kind.
+        """
+        for index, k in enumerate(self.kinds):
+            if kind == index or kind == k.name:
+                return index
+        raise ValueError(f"unknown KV kind {kind!r}; this pool has {[k.name for k in self.kinds]}")
 
     def get_size_per_token_bytes(self) -> int:
         """Bytes of one token across all layers and kinds (MHA: 2*H*Dh*L*itemsize; MLA: Dm*L*itemsize)."""
-        return self.num_buffers * math.prod(self.item_shape) * self.layer_num * self.dtype.itemsize
-
-    def get_buffer_shape(self) -> tuple[int, ...]:
-        kind = host_kind_shape(self.layout, self.size, self.layer_num, self.page_size, self.item_shape)
-        return (2, *kind) if self.num_buffers == 2 else kind
+        return sum(k.token_bytes for k in self.kinds)
 
     # -- memory
 
@@ -279,22 +201,65 @@ class HostKVCache(ABC):
                 f"({max(budget, 0) / GB:.2f} GB); lower --hicache-size or --hicache-ratio"
             )
 
-    def _alloc_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if not self.pin_memory:
-            return torch.empty(shape, dtype=self.dtype)
-        # Chunk boundaries at multiples of one page of all layers keep every page-first page
-        # (and every layer_first / page_first_direct (page, layer) run) in one registration.
-        granularity = self.page_size * self.layer_num * math.prod(self.item_shape) * self.dtype.itemsize
-        self._registered = _RegisteredHostMemory(self.size_bytes, granularity)
-        return self._registered.tensor.view(self.dtype).view(shape)
+    def _alloc_buffers(self) -> tuple[torch.Tensor, ...]:
+        """One allocation, cut into the kinds' buffers one after the other (for MHA the same
+        bytes as the former `[2, ...]` buffer: K then V)."""
+        if self.pin_memory:
+            # Chunk boundaries at multiples of one page of all layers keep every page-first page
+            # (and every layer_first / page_first_direct (page, layer) run) in one registration;
+            # exact for equal-size kinds, which every model here has.
+            granularity = math.lcm(*(k.page_bytes for k in self.kinds))
+            self._registered = RegisteredHostMemory(self.size_bytes, granularity)
+            self.buffer = self._registered.tensor
+        else:
+            self.buffer = torch.empty(self.size_bytes, dtype=torch.uint8)
+        views, offset = [], 0
+        for kind in self.kinds:
+            shape = host_kind_shape(self.layout, self.size, self.layer_num, self.page_size, kind.item_shape)
+            nbytes = self.size * kind.token_bytes
+            views.append(self.buffer[offset:offset + nbytes].view(self.dtype).view(shape))
+            offset += nbytes
+        return tuple(views)
 
     def close(self) -> None:
         """Unregister pinned memory now (idempotent); the pool must not be used afterwards."""
         if self._finalizer is not None:
             self._finalizer()
         self._registered = None
-        self.kv_buffer = None
+        self.kv_buffers = ()
+        self.buffer = None
+        self._transfer_kinds_cache = None
         self._free_staging()
+
+    # -- per-page objects (for a storage tier)
+
+    def page_object(self, kind: int | str, page: int) -> torch.Tensor:
+        """Host page `page` (host slots `page*P .. page*P+P-1`) of one kind, as a contiguous view
+        of the pool's memory: the unit a storage tier reads or writes as one object, zero-copy
+        (`view.data_ptr()`, `kinds[i].page_bytes` bytes; writing the view writes the pool).
+
+        Shapes: `page_first` `[P, L, *item]` (token-major); `page_first_direct` `[L, P, *item]`.
+
+        Raises:
+            ValueError: `layer_first` (a page is L separate runs there), an unknown kind, or a
+                page outside `[0, page_num)`.
+        """
+        index = self.kind_index(kind)
+        if self.layout == "layer_first":
+            raise ValueError("host layout 'layer_first' has no contiguous page objects; use page_first "
+                             "(--hicache-mem-layout page_first) or page_first_direct")
+        if not 0 <= page < self.page_num:
+            raise ValueError(f"host page {page} outside the {self.page_num} host pages")
+        buf = self.kv_buffers[index]
+        if self.layout == "page_first":
+            return buf[page * self.page_size:(page + 1) * self.page_size]
+        return buf[page]
+
+    def page_byte_range(self, kind: int | str, page: int) -> tuple[int, int]:
+        """(offset, nbytes) of `page_object(kind, page)` inside `buffer`, for a backend that
+        registers the whole pool once and addresses pages by offset. Raises as `page_object`."""
+        view = self.page_object(kind, page)
+        return view.data_ptr() - self.buffer.data_ptr(), view.numel() * view.element_size()
 
     # -- allocator (page granular, CPU int64 slot tensors)
 
@@ -351,39 +316,59 @@ class HostKVCache(ABC):
 
     def _init_write_back_staging_buffers(self) -> None:
         """On CUDA with `page_first`, allocate the device staging buffers once:
-        `[capacity, P, L, *item]` per kind (K and V for MHA, one for MLA), capacity =
-        min(page_num, 64) pages. Otherwise allocate nothing."""
+        `[capacity, P, L, *item]` per kind, capacity = min(page_num, 64) pages. Otherwise
+        allocate nothing."""
         self._free_staging()
         device = self.device_pool.device
-        item_bytes = math.prod(self.item_shape) * self.dtype.itemsize
-        self.staging_buffer_bytes = write_back_staging_bytes(
-            self.layout, device, self.page_num, self.page_size, self.layer_num, item_bytes, self.num_buffers)
+        self.staging_buffer_bytes = sum(
+            write_back_staging_bytes(self.layout, device, self.page_num, self.page_size, self.layer_num,
+                                     math.prod(k.item_shape) * self.dtype.itemsize, 1)
+            for k in self.kinds)
         if self.staging_buffer_bytes == 0:
             return
         self.staging_page_capacity = min(self.page_num, WRITE_BACK_STAGING_PAGE_CHUNK)
-        shape = (self.staging_page_capacity, self.page_size, self.layer_num, *self.item_shape)
-        self.staging_buffers = [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(self.num_buffers)]
+        self.staging_buffers = [
+            torch.empty((self.staging_page_capacity, self.page_size, self.layer_num, *k.item_shape),
+                        dtype=self.dtype, device=device)
+            for k in self.kinds]
 
     def _free_staging(self) -> None:
         self.staging_buffers: list[torch.Tensor] = []
         self.staging_page_capacity = 0
         self.staging_buffer_bytes = 0
 
-    # -- transfers
+    # -- transfers: one path for every kind
 
-    def _check_layer_id(self, layer_id: int) -> None:
-        if not 0 <= layer_id < self.layer_num:
-            raise ValueError(f"layer_id={layer_id} out of range for {self.layer_num} layers")
+    def transfer_kinds(self, device_pool: "KVCache") -> list[KVKind]:
+        """Per kind the `KVKind(device layers, host buffer)` pair the transfer functions take
+        (built once per device pool: a load-back asks for it once per layer).
 
-    @abstractmethod
+        Raises:
+            ValueError: `device_pool` has other kinds than this pool.
+        """
+        cached = self._transfer_kinds_cache
+        if cached is not None and cached[0] is device_pool:
+            return cached[1]
+        device_kinds = device_pool.kv_kinds()
+        if len(device_kinds) != len(self.kinds) or any(
+                name != k.name for (name, _), k in zip(device_kinds, self.kinds)):
+            raise ValueError(f"device pool kinds {[name for name, _ in device_kinds]} != host pool kinds "
+                             f"{[k.name for k in self.kinds]}")
+        kinds = [KVKind(layers, host) for (_, layers), host in zip(device_kinds, self.kv_buffers)]
+        self._transfer_kinds_cache = (device_pool, kinds)
+        return kinds
+
     def backup_from_device_all_layer(
         self, device_pool: "KVCache", host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None:
-        """Write-back: copy every layer of `device_indices` (device slots, on the device) into
-        `host_indices` (host slots from `alloc`, CPU). Raises as `hicache.write_back_all_layer`."""
-        ...
+        """Write-back: copy every layer of every kind of `device_indices` (device slots, on the
+        device) into `host_indices` (host slots from `alloc`, CPU). Raises as
+        `hicache.write_back_all_layer`."""
+        hicache.write_back_all_layer(
+            self.transfer_kinds(device_pool), self.layout, device_indices=device_indices,
+            host_indices=host_indices, page_size=self.page_size, io_backend=io_backend,
+            stagings=self.staging_buffers or None)
 
-    @abstractmethod
     def load_to_device_per_layer(
         self,
         device_pool: "KVCache",
@@ -392,116 +377,35 @@ class HostKVCache(ABC):
         layer_id: int,
         io_backend: str,
     ) -> None:
-        """Load-back of one layer: host slots `host_indices` (CPU) into device slots
-        `device_indices` (on the device) of layer `layer_id`."""
-        ...
+        """Load-back of one layer of every kind: host slots `host_indices` (CPU) into device
+        slots `device_indices` (on the device) of layer `layer_id`. Raises as
+        `hicache.load_back_one_layer`."""
+        if not 0 <= layer_id < self.layer_num:
+            raise ValueError(f"layer_id={layer_id} out of range for {self.layer_num} layers")
+        hicache.load_back_one_layer(
+            self.transfer_kinds(device_pool), self.layout, layer_id, host_indices=host_indices,
+            device_indices=device_indices, page_size=self.page_size, io_backend=io_backend)
 
 
 class MHATokenToKVPoolHost(HostKVCache):
-    """Host pool for `MHATokenToKVPool`: K and V, `kv_buffer` = `[2, *per-kind layout shape]`.
+    """Host pool for `MHATokenToKVPool`: kinds "k" and "v", items `(H, Dh)`; `head_num`, `head_dim`."""
 
-    Attributes (besides HostKVCache's): head_num, head_dim; k_buffer / v_buffer =
-    kv_buffer[0] / kv_buffer[1]; staging_k / staging_v (None unless page_first on CUDA).
-    """
+    expected_kinds = ("k", "v")
 
-    num_buffers = 2
-
-    def __init__(
-        self,
-        device_pool: "MHATokenToKVPool",
-        host_to_device_ratio: float,
-        host_size_gb: int,
-        page_size: int,
-        layout: str = "page_first",
-        pin_memory: bool | None = None,
-    ) -> None:
-        self.head_num = device_pool.head_num
-        self.head_dim = device_pool.head_dim
+    def __init__(self, device_pool: "MHATokenToKVPool", host_to_device_ratio: float, host_size_gb: int,
+                 page_size: int, layout: str = "page_first", pin_memory: bool | None = None) -> None:
         super().__init__(device_pool, host_to_device_ratio, host_size_gb, page_size, layout, pin_memory)
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        return (self.head_num, self.head_dim)
-
-    @property
-    def k_buffer(self) -> torch.Tensor:
-        return self.kv_buffer[0]
-
-    @property
-    def v_buffer(self) -> torch.Tensor:
-        return self.kv_buffer[1]
-
-    @property
-    def staging_k(self) -> torch.Tensor | None:
-        return self.staging_buffers[0] if self.staging_buffers else None
-
-    @property
-    def staging_v(self) -> torch.Tensor | None:
-        return self.staging_buffers[1] if self.staging_buffers else None
-
-    def backup_from_device_all_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
-                                     device_indices: torch.Tensor, io_backend: str) -> None:
-        hicache.write_back_all_layer(
-            device_pool.k_buffer, device_pool.v_buffer, self.kv_buffer, self.layout,
-            device_indices=device_indices, host_indices=host_indices, page_size=self.page_size,
-            io_backend=io_backend, staging_k=self.staging_k, staging_v=self.staging_v,
-        )
-
-    def load_to_device_per_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
-                                 device_indices: torch.Tensor, layer_id: int, io_backend: str) -> None:
-        self._check_layer_id(layer_id)
-        hicache.load_back_one_layer(
-            self.kv_buffer, device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id], self.layout, layer_id,
-            host_indices=host_indices, device_indices=device_indices, page_size=self.page_size,
-            io_backend=io_backend,
-        )
+        self.head_num, self.head_dim = device_pool.head_num, device_pool.head_dim
 
 
 class MLATokenToKVPoolHost(HostKVCache):
-    """Host pool for `MLATokenToKVPool`: one latent row per token and layer.
+    """Host pool for `MLATokenToKVPool`: one kind "kv", items `(1, Dm)`, Dm = `kv_dim` =
+    `kv_lora_rank` + `qk_rope_head_dim`."""
 
-    Attributes (besides HostKVCache's): kv_lora_rank, qk_rope_head_dim, kv_dim (= Dm);
-    staging (None unless page_first on CUDA).
-    """
+    expected_kinds = ("kv",)
 
-    num_buffers = 1
-
-    def __init__(
-        self,
-        device_pool: "MLATokenToKVPool",
-        host_to_device_ratio: float,
-        host_size_gb: int,
-        page_size: int,
-        layout: str = "page_first",
-        pin_memory: bool | None = None,
-    ) -> None:
-        self.kv_lora_rank = device_pool.kv_lora_rank
-        self.qk_rope_head_dim = device_pool.qk_rope_head_dim
-        self.kv_dim = self.kv_lora_rank + self.qk_rope_head_dim
+    def __init__(self, device_pool: "MLATokenToKVPool", host_to_device_ratio: float, host_size_gb: int,
+                 page_size: int, layout: str = "page_first", pin_memory: bool | None = None) -> None:
         super().__init__(device_pool, host_to_device_ratio, host_size_gb, page_size, layout, pin_memory)
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        return (1, self.kv_dim)
-
-    @property
-    def staging(self) -> torch.Tensor | None:
-        return self.staging_buffers[0] if self.staging_buffers else None
-
-    def backup_from_device_all_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
-                                     device_indices: torch.Tensor, io_backend: str) -> None:
-        hicache.write_back_all_layer_mla(
-            device_pool.kv_buffer, self.kv_buffer, self.layout,
-            device_indices=device_indices, host_indices=host_indices, page_size=self.page_size,
-            io_backend=io_backend, staging=self.staging,
-        )
-
-    def load_to_device_per_layer(self, device_pool: "KVCache", host_indices: torch.Tensor,
-                                 device_indices: torch.Tensor, layer_id: int, io_backend: str) -> None:
-        self._check_layer_id(layer_id)
-        hicache.load_back_one_layer_mla(
-            self.kv_buffer, device_pool.kv_buffer[layer_id], self.layout, layer_id,
-            host_indices=host_indices, device_indices=device_indices, page_size=self.page_size,
-            io_backend=io_backend,
-        )
-
+        self.kv_lora_rank, self.qk_rope_head_dim = device_pool.kv_lora_rank, device_pool.qk_rope_head_dim
+        self.kv_dim = self.kv_lora_rank + self.qk_rope_head_dim

@@ -115,16 +115,12 @@ def staged_case(kind, elements, num_pages, order, copy_mode, dev_dtype, host_dty
     kw = dict(device_indices=dev_idx, host_indices=host_idx, page_size=page_size)
     stagings = [torch.empty((capacity, page_size, LAYERS, *item), dtype=DTYPE, device="cuda") for _ in names]
 
-    # The one-kind reference works for any item shape: the oracle per kind.
+    # The reference, one kind at a time: the oracle per kind.
     for kind_layers, want in zip(layers, expected):
-        reference.write_back_all_layer_mla_ref(kind_layers, want, "page_first", **kw)
+        reference.write_back_all_layer_ref([(kind_layers, want)], "page_first", **kw)
     opts = dict(copy_mode=copy_mode, merge_runs=merge_runs, sort_pages=sort_pages, pipeline=pipeline)
-    if mla:
-        stats = run_on_side_stream(lambda: hicache.transfer_hicache_all_layer_mla_staged_lf_pf(
-            layers[0], actual[0], stagings[0], **opts, **kw))
-    else:
-        stats = run_on_side_stream(lambda: hicache.transfer_hicache_all_layer_staged_lf_pf(
-            layers[0], layers[1], actual[0], actual[1], stagings[0], stagings[1], **opts, **kw))
+    stats = run_on_side_stream(lambda: hicache.transfer_hicache_all_layer_staged_lf_pf(
+        layers, actual, stagings, **opts, **kw))
     for name, got, want in zip(names, actual, expected):
         assert same_bytes(got, want), name
         # Untouched host pages (0 and n+1) keep their sentinel.
@@ -202,13 +198,13 @@ def test_staged_on_default_stream_falls_back_or_refuses():
     dev_idx = slots_of([1, 2], PAGE_SIZE, torch.int64, "cuda")
     host_idx = slots_of([2, 0], PAGE_SIZE, torch.int64)
     kw = dict(device_indices=dev_idx, host_indices=host_idx, page_size=PAGE_SIZE)
-    reference.write_back_all_layer_mla_ref(layers, want, "page_first", **kw)
+    reference.write_back_all_layer_ref([(layers, want)], "page_first", **kw)
     assert torch.cuda.current_stream().cuda_stream == 0
-    stats = hicache.transfer_hicache_all_layer_mla_staged_lf_pf(layers, host, None, **kw)
+    stats = hicache.transfer_hicache_all_layer_staged_lf_pf([layers], [host], None, **kw)
     torch.cuda.synchronize()
     assert stats.batched_chunks == 0 and same_bytes(host, want)
     with pytest.raises(RuntimeError, match="cudaMemcpyBatchAsync"):
-        hicache.transfer_hicache_all_layer_mla_staged_lf_pf(layers, host, None, copy_mode="batch", **kw)
+        hicache.transfer_hicache_all_layer_staged_lf_pf([layers], [host], None, copy_mode="batch", **kw)
 
 
 def test_staged_rejects_bad_arguments():
@@ -219,24 +215,24 @@ def test_staged_rejects_bad_arguments():
     host_idx = slots_of([2], PAGE_SIZE, torch.int64)
     call = hicache.transfer_hicache_all_layer_staged_lf_pf
     with pytest.raises(ValueError, match="host_indices must stay on the CPU"):
-        call(layers, layers, host, host, None, None, device_indices=dev_idx, host_indices=host_idx.cuda(),
+        call([layers, layers], [host, host], None, device_indices=dev_idx, host_indices=host_idx.cuda(),
              page_size=PAGE_SIZE)
     with pytest.raises(ValueError, match="pinned"):
-        call(layers, layers, host.clone(), host, None, None, device_indices=dev_idx, host_indices=host_idx,
+        call([layers, layers], [host.clone(), host], None, device_indices=dev_idx, host_indices=host_idx,
              page_size=PAGE_SIZE)
     with pytest.raises(ValueError, match="inside the 64 host slots; page 0 is"):
-        call(layers, layers, host, host, None, None, device_indices=dev_idx,
+        call([layers, layers], [host, host], None, device_indices=dev_idx,
              host_indices=slots_of([4], PAGE_SIZE, torch.int64), page_size=PAGE_SIZE)
     with pytest.raises(ValueError, match="page-aligned"):
-        call(layers, layers, host, host, None, None, device_indices=dev_idx, host_indices=host_idx + 1,
+        call([layers, layers], [host, host], None, device_indices=dev_idx, host_indices=host_idx + 1,
              page_size=PAGE_SIZE)
     with pytest.raises(ValueError, match="copy_mode"):
-        call(layers, layers, host, host, None, None, device_indices=dev_idx, host_indices=host_idx,
+        call([layers, layers], [host, host], None, device_indices=dev_idx, host_indices=host_idx,
              page_size=PAGE_SIZE, copy_mode="fast")
     odd = device_layers(4 * PAGE_SIZE, (1, 4), seed=6)  # 8-byte items
     odd_host = torch.zeros((4 * PAGE_SIZE, LAYERS, 1, 4), dtype=DTYPE).pin_memory()
     with pytest.raises(ValueError, match="multiple of 16"):
-        call(odd, odd, odd_host, odd_host, None, None, device_indices=dev_idx, host_indices=host_idx,
+        call([odd, odd], [odd_host, odd_host], None, device_indices=dev_idx, host_indices=host_idx,
              page_size=PAGE_SIZE)
 
 
@@ -265,14 +261,12 @@ def test_load_back_one_layer(num_pages, elements, layout, index_dtype):
         want = [torch.full((dev_slots, *item), SENTINEL[n], dtype=DTYPE, device="cuda") for n in names]
         got = [w.clone() for w in want]
         kw = dict(host_indices=host_idx, device_indices=dev_idx, page_size=PAGE_SIZE)
-        if mla:
-            reference.load_back_one_layer_mla_ref(hosts[0], want[0], layout, layer_id, **kw)
-            hicache.transfer_hicache_one_layer(hosts[0], None, got[0], None, layout, layer_id, **kw)
-        else:
-            reference.load_back_one_layer_ref(torch.stack(hosts), want[0], want[1], layout, layer_id, **kw)
+        # The reference takes every layer of a kind; only `layer_id` is written.
+        reference.load_back_one_layer_ref([([w] * LAYERS, h) for w, h in zip(want, hosts)], layout, layer_id, **kw)
+        if not mla:
             # Host indices already on the device work too.
             kw["host_indices"] = host_idx.cuda() if layer_id == 1 else host_idx
-            hicache.transfer_hicache_one_layer(hosts[0], hosts[1], got[0], got[1], layout, layer_id, **kw)
+        hicache.transfer_hicache_one_layer(hosts, got, layout, layer_id, **kw)
         torch.cuda.synchronize()
         for name, g, w in zip(names, got, want):
             assert same_bytes(g, w), (name, layer_id)
@@ -295,7 +289,7 @@ def test_all_layer_sm_write_back(num_pages, elements, layout, index_dtype, block
     dev_idx = slots_of(list(range(2, num_pages + 2)), PAGE_SIZE, index_dtype, "cuda")
     kw = dict(device_indices=dev_idx, host_indices=host_idx, page_size=PAGE_SIZE)
     for layers, w in zip(kinds, want):
-        reference.write_back_all_layer_mla_ref(layers, w, layout, **kw)
+        reference.write_back_all_layer_ref([(layers, w)], layout, **kw)
     hicache.transfer_hicache_all_layer(kinds, got, layout, block_quota=block_quota, **kw)
     torch.cuda.synchronize()
     for name, g, w in zip(names, got, want):
@@ -309,9 +303,11 @@ def test_sm_kernels_reject_bad_arguments():
     idx = slots_of([1], PAGE_SIZE, torch.int64)
     kw = dict(host_indices=idx, device_indices=idx.cuda(), page_size=PAGE_SIZE)
     with pytest.raises(ValueError, match="block_quota"):
-        hicache.transfer_hicache_one_layer(host, host, layers[0], layers[1], "layer_first", 0, block_quota=0, **kw)
+        hicache.transfer_hicache_one_layer([host, host], layers[:2], "layer_first", 0, block_quota=0, **kw)
     with pytest.raises(ValueError, match="layer_id"):
-        hicache.transfer_hicache_one_layer(host, host, layers[0], layers[1], "layer_first", LAYERS, **kw)
+        hicache.transfer_hicache_one_layer([host, host], layers[:2], "layer_first", LAYERS, **kw)
+    with pytest.raises(ValueError, match="give 1 to 2 kinds"):
+        hicache.transfer_hicache_one_layer([host] * 3, layers, "layer_first", 0, **kw)
     with pytest.raises(ValueError, match="unknown host layout"):
         hicache.transfer_hicache_all_layer([layers, layers], [host, host], "head_first", **kw)
     with pytest.raises(ValueError, match="device_indices must be on"):
@@ -349,8 +345,8 @@ def test_kernel_io_backend_round_trip_through_pools(kind, layout):
     ref_dev, ref_host = make_pools(kind, layout, page_size, 2 * num_pages + 1, num_pages + 2, elements)
     for a, b in zip(ref_dev.buffers(), dev.buffers()):
         a.copy_(b)
-    host.kv_buffer.fill_(-3.0)
-    ref_host.kv_buffer.fill_(-3.0)
+    for buf in host.kv_buffers + ref_host.kv_buffers:
+        buf.fill_(-3.0)
     host_idx = slots_of(host_pages_for(num_pages, "shuffled"), page_size, torch.int64)
     dev_idx = slots_of(list(range(1, num_pages + 1)), page_size, torch.int32, "cuda")
     stream = torch.cuda.Stream()
@@ -359,7 +355,8 @@ def test_kernel_io_backend_round_trip_through_pools(kind, layout):
         host.backup_from_device_all_layer(dev, host_idx, dev_idx, "kernel")
     stream.synchronize()
     ref_host.backup_from_device_all_layer(ref_dev, host_idx, dev_idx, "direct")
-    assert same_bytes(host.kv_buffer, ref_host.kv_buffer)
+    for got, want in zip(host.kv_buffers, ref_host.kv_buffers):
+        assert same_bytes(got, want)
 
     load_idx = slots_of(list(range(num_pages + 1, 2 * num_pages + 1)), page_size, torch.int64, "cuda")
     with torch.cuda.stream(stream):

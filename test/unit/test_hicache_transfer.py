@@ -49,12 +49,16 @@ def make_pools(kind, layout, page_size, device_pages, host_pages, dtype=torch.fl
     return dev, host
 
 
+NAMES = {"k": "K", "v": "V", "kv": "KV"}
+
+
 def fill_sentinel(host):
-    if isinstance(host, MHATokenToKVPoolHost):
-        host.kv_buffer[0].fill_(SENTINEL["K"])
-        host.kv_buffer[1].fill_(SENTINEL["V"])
-    else:
-        host.kv_buffer.fill_(SENTINEL["KV"])
+    for kind, buf in zip(host.kinds, host.kv_buffers):
+        buf.fill_(SENTINEL[NAMES[kind.name]])
+
+
+def host_bytes(host):
+    return torch.cat([b.reshape(-1).view(torch.uint8) for b in host.kv_buffers])
 
 
 def pages_to_slots(pages, page_size, dtype=torch.int64, device="cpu"):
@@ -76,8 +80,13 @@ def host_pages_view(host, kind_buf):
 
 def kinds(dev, host):
     if isinstance(host, MHATokenToKVPoolHost):
-        return [("K", dev.k_buffer, host.kv_buffer[0]), ("V", dev.v_buffer, host.kv_buffer[1])]
-    return [("KV", dev.kv_buffer, host.kv_buffer)]
+        return [("K", dev.k_buffer, host.kv_buffers[0]), ("V", dev.v_buffer, host.kv_buffers[1])]
+    return [("KV", dev.kv_buffer, host.kv_buffers[0])]
+
+
+def pairs(dev, host):
+    """The (device layers, host buffer) kinds the transfer functions take."""
+    return [(layers, buf) for _, layers, buf in kinds(dev, host)]
 
 
 def check_host(dev, host, dev_pages, host_pages):
@@ -146,6 +155,7 @@ def test_round_trip_half_dtypes_and_orders(order, index_dtype, dtype):
             round_trip(kind, layout, 4, 5, order, index_dtype, dtype=dtype)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_pages", [1, 65, 129])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -153,7 +163,7 @@ def test_round_trip_half_dtypes_and_orders(order, index_dtype, dtype):
 def test_round_trip_cuda_direct(kind, layout, num_pages):
     dev, host, _, _ = round_trip(kind, layout, 16, num_pages, "shuffled", torch.int64, device="cuda",
                                  io_backend="direct", dtype=torch.bfloat16)
-    assert host.pin_memory and host.kv_buffer.is_pinned()
+    assert host.pin_memory and all(b.is_pinned() for b in host.kv_buffers)
     if layout == "page_first":
         assert host.staging_page_capacity == min(host.page_num, 64)
         assert host.staging_buffer_bytes == sum(b.numel() * b.element_size() for b in host.staging_buffers)
@@ -184,25 +194,14 @@ def test_staged_equals_plain_page_first(kind, page_size, num_pages, device):
     host_idx = pages_to_slots(host_pages, page_size, index_dtype)
     kw = dict(device_indices=dev_idx, host_indices=host_idx, page_size=page_size)
 
-    if kind == "MHA":
-        reference.write_back_all_layer_ref(dev.k_buffer, dev.v_buffer, plain.kv_buffer, "page_first", **kw)
-        # Default staging (min(n, 64) pages), then a small explicit one to force many chunks.
-        reference.transfer_all_layer_staged_lf_pf_ref(
-            dev.k_buffer, dev.v_buffer, staged.kv_buffer[0], staged.kv_buffer[1], **kw)
-        assert torch.equal(staged.kv_buffer.view(torch.uint8), plain.kv_buffer.view(torch.uint8))
-        fill_sentinel(staged)
-        shape = (3, page_size, LAYERS, HEADS, HEAD_DIM)
-        reference.transfer_all_layer_staged_lf_pf_ref(
-            dev.k_buffer, dev.v_buffer, staged.kv_buffer[0], staged.kv_buffer[1], **kw,
-            staging_k=torch.empty(shape, device=device), staging_v=torch.empty(shape, device=device))
-    else:
-        reference.write_back_all_layer_mla_ref(dev.kv_buffer, plain.kv_buffer, "page_first", **kw)
-        reference.transfer_all_layer_mla_staged_lf_pf_ref(dev.kv_buffer, staged.kv_buffer, **kw)
-        assert torch.equal(staged.kv_buffer.view(torch.uint8), plain.kv_buffer.view(torch.uint8))
-        fill_sentinel(staged)
-        staging = torch.empty((3, page_size, LAYERS, 1, KV_LORA_RANK + ROPE_DIM), device=device)
-        reference.transfer_all_layer_mla_staged_lf_pf_ref(dev.kv_buffer, staged.kv_buffer, **kw, staging=staging)
-    assert torch.equal(staged.kv_buffer.view(torch.uint8), plain.kv_buffer.view(torch.uint8))
+    reference.write_back_all_layer_ref(pairs(dev, plain), "page_first", **kw)
+    # Default staging (min(n, 64) pages), then a small explicit one to force many chunks.
+    reference.transfer_all_layer_staged_lf_pf_ref(pairs(dev, staged), **kw)
+    assert torch.equal(host_bytes(staged), host_bytes(plain))
+    fill_sentinel(staged)
+    stagings = [torch.empty((3, page_size, LAYERS, *buf.shape[2:]), device=device) for buf in staged.kv_buffers]
+    reference.transfer_all_layer_staged_lf_pf_ref(pairs(dev, staged), **kw, stagings=stagings)
+    assert torch.equal(host_bytes(staged), host_bytes(plain))
     check_host(dev, plain, dev_pages, host_pages)
 
 
@@ -211,12 +210,41 @@ def test_staged_rejects_non_page_runs_and_device_host_indices():
     good = pages_to_slots([1, 2], 4)
     bad = torch.tensor([4, 5, 6, 8, 9, 10, 11, 12])  # first page not consecutive
     with pytest.raises(ValueError, match="device_indices must be page-aligned"):
-        reference.transfer_all_layer_mla_staged_lf_pf_ref(dev.kv_buffer, host.kv_buffer, device_indices=bad,
-                                                          host_indices=good, page_size=4)
+        reference.transfer_all_layer_staged_lf_pf_ref(pairs(dev, host), device_indices=bad, host_indices=good,
+                                                      page_size=4)
     with pytest.raises(ValueError, match="staging buffer"):
-        reference.transfer_all_layer_mla_staged_lf_pf_ref(dev.kv_buffer, host.kv_buffer, device_indices=good,
-                                                          host_indices=good, page_size=4,
-                                                          staging=torch.empty(2, 4, LAYERS, 1, 3))
+        reference.transfer_all_layer_staged_lf_pf_ref(pairs(dev, host), device_indices=good, host_indices=good,
+                                                      page_size=4, stagings=[torch.empty(2, 4, LAYERS, 1, 3)])
+
+
+# ----------------------------------------------------------------------------- any kinds
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_transfers_loop_over_any_kinds(layout):
+    """The public functions take any sequence of (device layers, host buffer) kinds, each with its
+    own item shape: here three, as a model with a third stored tensor family would have."""
+    page, host_slots, gen = 4, 16, torch.Generator().manual_seed(5)
+    items = [(2, 4), (1, 8), (3, 2)]
+    layers = [[torch.randn((5 * page, *item), generator=gen) for _ in range(LAYERS)] for item in items]
+    hosts = [torch.full(reference.host_kind_shape(layout, host_slots, LAYERS, page, item), -1.0) for item in items]
+    kinds = list(zip(layers, hosts))
+    dev_idx, host_idx = pages_to_slots([1, 3], page), pages_to_slots([2, 0], page)
+    hicache.write_back_all_layer(kinds, layout, device_indices=dev_idx, host_indices=host_idx, page_size=page,
+                                 io_backend="kernel")
+    back = [[torch.zeros_like(t) for t in kind_layers] for kind_layers in layers]
+    for layer in range(LAYERS):
+        hicache.load_back_one_layer(list(zip(back, hosts)), layout, layer, host_indices=host_idx,
+                                    device_indices=dev_idx, page_size=page, io_backend="direct")
+    for kind_layers, kind_back in zip(layers, back):
+        for src, dst in zip(kind_layers, kind_back):
+            assert torch.equal(dst[dev_idx], src[dev_idx])
+            untouched = torch.ones(len(dst), dtype=torch.bool)
+            untouched[dev_idx] = False
+            assert bool((dst[untouched] == 0).all())
+    with pytest.raises(ValueError, match="layer_id=3 out of range"):
+        hicache.load_back_one_layer(kinds, layout, LAYERS, host_indices=host_idx, device_indices=dev_idx,
+                                    page_size=page, io_backend="direct")
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -243,16 +271,15 @@ def test_transfer_argument_errors():
     with pytest.raises(ValueError, match="layer_id=3 out of range"):
         host.load_to_device_per_layer(dev, host_idx, dev_idx, LAYERS, "kernel")
     with pytest.raises(ValueError, match="host dtype"):
-        hicache.write_back_all_layer(dev.k_buffer, dev.v_buffer, host.kv_buffer.double(), "page_first_direct",
-                                     device_indices=dev_idx, host_indices=host_idx, page_size=4,
-                                     io_backend="direct")
+        hicache.write_back_all_layer([(dev.k_buffer, host.kv_buffers[0]), (dev.v_buffer, host.kv_buffers[1].double())],
+                                     "page_first_direct", device_indices=dev_idx, host_indices=host_idx,
+                                     page_size=4, io_backend="direct")
     with pytest.raises(ValueError, match="does not match layout"):
-        hicache.write_back_all_layer(dev.k_buffer, dev.v_buffer, host.kv_buffer, "page_first",
-                                     device_indices=dev_idx, host_indices=host_idx, page_size=4,
-                                     io_backend="direct")
+        hicache.write_back_all_layer(pairs(dev, host), "page_first", device_indices=dev_idx,
+                                     host_indices=host_idx, page_size=4, io_backend="direct")
     with pytest.raises(ValueError, match="unknown host layout"):
-        reference.write_back_all_layer_ref(dev.k_buffer, dev.v_buffer, host.kv_buffer, "page_head",
-                                           device_indices=dev_idx, host_indices=host_idx, page_size=4)
+        reference.write_back_all_layer_ref(pairs(dev, host), "page_head", device_indices=dev_idx,
+                                           host_indices=host_idx, page_size=4)
 
 
 # ----------------------------------------------------------------------------- allocator
@@ -291,18 +318,25 @@ def test_sizing_ratio_rounds_down_to_pages():
     assert host.size == 192 and host.page_num == 12  # int(200) rounded down to 16
     per_token = 2 * HEADS * HEAD_DIM * LAYERS * 2
     assert host.get_size_per_token_bytes() == per_token
-    assert host.size_bytes == 192 * per_token == host.kv_buffer.numel() * host.kv_buffer.element_size()
-    assert host.kv_buffer.shape == (2, 192, LAYERS, HEADS, HEAD_DIM)
+    assert host.size_bytes == 192 * per_token == sum(b.numel() * b.element_size() for b in host.kv_buffers)
+    assert host.size_bytes == host.buffer.numel()
+    assert [b.shape for b in host.kv_buffers] == [(192, LAYERS, HEADS, HEAD_DIM)] * 2
+    # K then V, back to back in the one allocation.
+    k, v = host.kv_buffers
+    assert k.data_ptr() == host.buffer.data_ptr() and v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+    assert [(kd.name, kd.item_shape, kd.token_bytes) for kd in host.kinds] == [
+        ("k", (HEADS, HEAD_DIM), per_token // 2), ("v", (HEADS, HEAD_DIM), per_token // 2)]
     assert not host.pin_memory and host.staging_buffer_bytes == 0 and host.staging_page_capacity == 0
 
     mla_dev = MLATokenToKVPool(64, 4, torch.float32, KV_LORA_RANK, ROPE_DIM, LAYERS, "cpu")
     mla = MLATokenToKVPoolHost(mla_dev, 1.5, 0, 4, "page_first_direct")
     assert mla.size == 96 and mla.get_size_per_token_bytes() == (KV_LORA_RANK + ROPE_DIM) * LAYERS * 4
-    assert mla.kv_buffer.shape == (24, LAYERS, 4, 1, KV_LORA_RANK + ROPE_DIM)
+    assert [b.shape for b in mla.kv_buffers] == [(24, LAYERS, 4, 1, KV_LORA_RANK + ROPE_DIM)]
+    assert [k.name for k in mla.kinds] == ["kv"] and mla.kinds[0].page_bytes == 4 * mla.get_size_per_token_bytes()
     lf = MLATokenToKVPoolHost(mla_dev, 1.5, 0, 4, "layer_first")
-    assert lf.kv_buffer.shape == (LAYERS, 96, 1, KV_LORA_RANK + ROPE_DIM)
+    assert [b.shape for b in lf.kv_buffers] == [(LAYERS, 96, 1, KV_LORA_RANK + ROPE_DIM)]
     mha_pfd = MHATokenToKVPoolHost(dev, 2.0, 0, 16, "page_first_direct")
-    assert mha_pfd.kv_buffer.shape == (2, 12, LAYERS, 16, HEADS, HEAD_DIM)
+    assert [b.shape for b in mha_pfd.kv_buffers] == [(12, LAYERS, 16, HEADS, HEAD_DIM)] * 2
 
 
 def test_sizing_hicache_size_overrides_ratio():
