@@ -14,8 +14,9 @@ after that:
 * `can_use_jit_kernels()`: CUDA present, tvm-ffi importable, nvcc and ninja found.
 * `can_use_batched_copy(device)`: the above, and the CUDA runtime and driver are >= 12.8
   (`cudaMemcpyBatchAsync`), read from the compiled module.
-* `can_use_staged_write_back(item_bytes)`: JIT kernels, and one item (one token of one
-  layer of K, V or the MLA row) is a multiple of 16 bytes.
+
+The scheduler process that calls these is single-threaded, so the module-level caches
+below take no locks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import math
 import os
 import shutil
 import sys
-import threading
 import weakref
 from pathlib import Path
 from typing import Sequence
@@ -45,15 +45,13 @@ BATCHED_COPY_MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync: CUDA 12.8 runtime
 VECTOR_BYTES = 16
 
 _warned: set[str] = set()
-_warn_lock = threading.Lock()
 
 
 def warn_once(key: str, message: str, *args: object) -> None:
     """Log `message` as a warning the first time `key` is seen in this process."""
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
+    if key in _warned:
+        return
+    _warned.add(key)
     logger.warning(message, *args)
 
 
@@ -155,21 +153,6 @@ def can_use_batched_copy(device: torch.device | int | None = None) -> bool:
     return True
 
 
-def can_use_staged_write_back(item_bytes: int) -> bool:
-    """True when the staged write-back kernel can move items of `item_bytes` bytes
-    (a multiple of 16); else warns once per size."""
-    if not can_use_jit_kernels():
-        return False
-    if item_bytes <= 0 or item_bytes % VECTOR_BYTES:
-        warn_once(
-            f"staged_{item_bytes}",
-            "staged write-back needs items that are a multiple of %d bytes, got %d; using the torch reference copies",
-            VECTOR_BYTES, item_bytes,
-        )
-        return False
-    return True
-
-
 # ----------------------------------------------------------------------------- build
 
 
@@ -241,9 +224,6 @@ def _cuda_arch_flags() -> list[str]:
     return []
 
 
-_build_lock = threading.Lock()
-
-
 @functools.lru_cache(maxsize=None)
 def load_kvcacheio_module(config: KvcacheioConfig = KvcacheioConfig()):
     """Compile (first call) and load the kvcacheio module for `config`; cached per config.
@@ -263,16 +243,15 @@ def load_kvcacheio_module(config: KvcacheioConfig = KvcacheioConfig()):
         f"_t{config.transfer_threads}x{config.transfer_unroll}_b{config.relayout_max_blocks}"
     )
     source = f'// csrc digest {digest}\n#include "kvcacheio/bindings.cuh"\n'
-    with _build_lock:
-        module = tvm_ffi.cpp.load_inline(
-            name=name,
-            cuda_sources=source,
-            functions=KVCACHEIO_FUNCTIONS,
-            extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *config.macros()],
-            extra_ldflags=["-ldl"],
-            extra_include_paths=[str(CSRC_DIR)],
-            backend="cuda",
-        )
+    module = tvm_ffi.cpp.load_inline(
+        name=name,
+        cuda_sources=source,
+        functions=KVCACHEIO_FUNCTIONS,
+        extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *config.macros()],
+        extra_ldflags=["-ldl"],
+        extra_include_paths=[str(CSRC_DIR)],
+        backend="cuda",
+    )
     logger.info("loaded JIT module %s (%s)", name, config)
     return module
 
@@ -287,7 +266,6 @@ def item_bytes_of(layer: torch.Tensor) -> int:
 
 _TABLE_CACHE_SIZE = 16
 _table_cache: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
-_table_lock = threading.Lock()
 
 
 def layer_pointer_table(kinds: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
@@ -305,11 +283,10 @@ def layer_pointer_table(kinds: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor
         raise ValueError("no device layers given")
     ptrs = tuple(p for layers in kinds for p in map(torch.Tensor.data_ptr, layers))
     key = (ptrs, tuple(first.shape), first.dtype, len(kinds))
-    with _table_lock:
-        table = _table_cache.get(key)
-        if table is not None:
-            _table_cache.move_to_end(key)
-            return table
+    table = _table_cache.get(key)
+    if table is not None:
+        _table_cache.move_to_end(key)
+        return table
     num_layers = len(kinds[0])
     for kind_id, layers in enumerate(kinds):
         if len(layers) != num_layers:
@@ -329,10 +306,9 @@ def layer_pointer_table(kinds: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor
                 )
     # Pinned + non_blocking: a plain .to(device) would wait for the work queued on the stream.
     table = torch.tensor(list(key[0]), dtype=torch.uint64).pin_memory().to(first.device, non_blocking=True)
-    with _table_lock:
-        _table_cache[key] = table
-        while len(_table_cache) > _TABLE_CACHE_SIZE:
-            _table_cache.popitem(last=False)
+    _table_cache[key] = table
+    while len(_table_cache) > _TABLE_CACHE_SIZE:
+        _table_cache.popitem(last=False)
     return table
 
 
@@ -360,16 +336,15 @@ def host_indices_to_device(host_indices: torch.Tensor, device: torch.device) -> 
     return on_device
 
 
-_order_buffers = threading.local()
+_order_buffer: list[torch.Tensor] = []  # one reusable scratch tensor
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def order_buffer(num_pages: int) -> torch.Tensor:
-    """A per-thread CPU int64 scratch of >= num_pages entries (read only during one call)."""
-    buf = getattr(_order_buffers, "buf", None)
-    if buf is None or buf.numel() < num_pages:
-        buf = _order_buffers.buf = torch.empty(max(num_pages, 1024), dtype=torch.int64)
-    return buf
+    """A CPU int64 scratch of >= num_pages entries (read only during one call)."""
+    if not _order_buffer or _order_buffer[0].numel() < num_pages:
+        _order_buffer[:] = [torch.empty(max(num_pages, 1024), dtype=torch.int64)]
+    return _order_buffer[0]
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -104,7 +104,7 @@ def reserved_device_bytes(spec: KVSpec) -> int:
     staging buffers, bounded at 64 pages), to keep out of the pool's budget."""
     if not spec.enable_hierarchical_cache:
         return 0
-    from hiserve.mem_cache.memory_pool_host import write_back_staging_bytes
+    from hiserve.mem_cache.host_memory import write_back_staging_bytes
 
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     if spec.is_mla:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -148,7 +147,6 @@ class HostKVCache:
             weakref.finalize(self, self._registered.release) if self._registered is not None else None
         )
 
-        self._lock = threading.Lock()
         self.clear()
         self._init_write_back_staging_buffers()
         logger.info(
@@ -265,14 +263,12 @@ class HostKVCache:
 
     def clear(self) -> None:
         """Free every host slot."""
-        with self._lock:
-            self._free_pages = torch.arange(self.page_num, dtype=torch.int64)
-            self._released: list[torch.Tensor] = []
+        self._free_pages = torch.arange(self.page_num, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
 
     def available_size(self) -> int:
         """Free host slots."""
-        with self._lock:
-            return (self._free_pages.numel() + sum(p.numel() for p in self._released)) * self.page_size
+        return (self._free_pages.numel() + sum(p.numel() for p in self._released)) * self.page_size
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Take `need_size` slots as whole pages, lowest free pages first.
@@ -286,12 +282,11 @@ class HostKVCache:
         if need_size % self.page_size:
             raise ValueError(f"host alloc of {need_size} slots is not a multiple of page_size={self.page_size}")
         num_pages = need_size // self.page_size
-        with self._lock:
-            if num_pages > self._free_pages.numel() and self._released:
-                self._merge_released()
-            if num_pages > self._free_pages.numel():
-                return None
-            pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
+        if num_pages > self._free_pages.numel() and self._released:
+            self._merge_released()
+        if num_pages > self._free_pages.numel():
+            return None
+        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
         offsets = torch.arange(self.page_size, dtype=torch.int64)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
@@ -305,8 +300,7 @@ class HostKVCache:
         if indices.numel() == 0:
             return
         pages = indices[:: self.page_size].to(torch.int64) // self.page_size
-        with self._lock:
-            self._released.append(pages)
+        self._released.append(pages)
 
     def _merge_released(self) -> None:
         self._free_pages = torch.cat([self._free_pages, *self._released]).sort().values
