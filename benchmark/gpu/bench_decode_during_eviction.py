@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_running_requests=max(args.batch_size, 8), chunked_prefill_size=-1,
                       max_prefill_tokens=max(args.filler_len, args.context_len) * 2,
                       enable_hierarchical_cache=True, hicache_write_policy="write_back",
-                      hicache_ratio=float(args.fillers + 2))
+                      hicache_ratio=2.0)
         server_args, missing = make_server_args(**fields)
         sched = Scheduler(server_args, None)
         vocab = sched.model_runner.vocab_size

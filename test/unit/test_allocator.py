@@ -251,3 +251,65 @@ def test_random_extend_decode_free_no_leak(page_size):
             allocator.free(torch.tensor(r, dtype=torch.int64))
     assert allocator.available_size() == size
     drain(allocator)
+
+
+# ---- CPU slot tensors, aligned frees, the req_to_token mirror ----------------------------
+
+
+def test_free_needs_runs_that_start_at_page_boundaries():
+    allocator = TokenToKVPoolAllocator(16, 4, "cpu", None)
+    slots = allocator.alloc(8)
+    assert slots.device.type == "cpu" and slots.dtype == torch.int64
+    with pytest.raises(ValueError, match="page boundaries"):
+        allocator.free(slots[1:4])  # starts inside page 1
+    allocator.free_group_begin()
+    with pytest.raises(ValueError, match="page boundaries"):
+        allocator.free(slots[2:8])  # checked inside a group too
+    allocator.free_group_end()
+    assert allocator.available_size() == 8  # nothing was freed by the bad calls
+    allocator.free(slots[4:])
+    allocator.free(slots[:4])
+    assert allocator.available_size() == 16
+    drain(allocator)
+
+
+def test_free_page_ids_lists_exactly_the_free_pages():
+    allocator = TokenToKVPoolAllocator(32, 4, "cpu", None)  # pages 1..8
+    slots = allocator.alloc(20)  # pages 1..5
+    allocator.free(slots[8:12])  # page 3
+    allocator.free_group_begin()
+    allocator.free(slots[16:])  # page 5, held back by the group
+    assert sorted(allocator.free_page_ids().tolist()) == [3, 6, 7, 8]
+    allocator.free_group_end()
+    assert sorted(allocator.free_page_ids().tolist()) == [3, 5, 6, 7, 8]
+    assert allocator.available_size() == 5 * 4
+
+
+def test_req_to_token_write_positions_and_slots():
+    pool = ReqToTokenPool(size=2, max_context_len=16, device="cpu")
+    assert pool.req_to_token_cpu is pool.req_to_token  # on the CPU the mirror is the table
+    pool.write(0, 2, torch.tensor([5, 6, 7]))
+    pool.write(1, 0, torch.empty(0, dtype=torch.int64))  # no-op
+    pool.write_positions([0, 1], [5, 3], torch.tensor([9, 10]))
+    pool.write_positions([], [], torch.empty(0, dtype=torch.int64))  # no-op
+    pool.flush()
+    s = pool.slots(0, 2, 6)
+    assert s.dtype == torch.int64 and s.tolist() == [5, 6, 7, 9]
+    assert int(pool.req_to_token[0, 5]) == 9 and int(pool.req_to_token[1, 3]) == 10
+    assert pool.req_to_token[1].tolist().count(0) == 15
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_req_to_token_device_table_changes_at_flush():
+    pool = ReqToTokenPool(size=2, max_context_len=16, device="cuda")
+    assert pool.req_to_token_cpu.device.type == "cpu"
+    pool.write(0, 1, torch.tensor([4, 5, 6]))
+    pool.write_positions([1], [7], torch.tensor([11]))
+    assert pool.slots(0, 1, 4).tolist() == [4, 5, 6]  # the mirror changes at once
+    assert int(pool.req_to_token.sum()) == 0  # the device table at the next flush
+    pool.flush()
+    assert torch.equal(pool.req_to_token.cpu(), pool.req_to_token_cpu)
+    pool.flush()  # nothing staged: no-op
+    pool.clear()
+    assert pool.available_size() == 2

@@ -10,7 +10,7 @@ from hiserve.mem_cache.hiradix_cache import HiRadixCache
 
 from hiradix_helpers import (
     LAYERS,
-    make_cache,
+    make_kv,
     pool_of,
     read_kv,
     insert_fresh,
@@ -29,39 +29,51 @@ from hiradix_helpers import (
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("kind", ["MHA", "MLA"])
 def test_cuda_write_evict_load_back_round_trip(policy, kind, layout, io_backend):
-    cache = make_cache(page_size=4, policy=policy, kind=kind, layout=layout, device="cuda",
-                       io_backend=io_backend)
+    kv = make_kv(page_size=4, policy=policy, kind=kind, layout=layout, device="cuda",
+                 io_backend=io_backend)
+    cache = kv.prefix_cache
     ctrl = cache.cache_controller
-    assert ctrl.is_cuda and pool_of(cache).layer_transfer_counter is ctrl.layer_counter
+    pool = pool_of(kv)
+    assert ctrl.is_cuda and pool.layer_transfer_counter is None
     key = list(range(10, 42))  # 8 pages
-    slots = insert_fresh(cache, key)  # KV written on the compute stream, then (write_through) backed up
-    original = read_kv(cache, slots)
+    slots = insert_fresh(kv, key)  # KV written on the compute stream, then (write_through) backed up
+    assert slots.device.type == "cpu"  # the allocator's slots stay on the host
+    original = read_kv(kv, slots)
     torch.cuda.synchronize()
-    cache.check_hicache_events()
+    kv.poll()
     assert cache.protected_size() == 0 and not ctrl.ack_write_queue
-    evict_to_host(cache)  # write_back: written here, compute stream ordered after the copy
-    for buf in pool_of(cache).buffers():
+    evict_to_host(kv)  # write_back: written here; freed slots wait for the write's ack
+    torch.cuda.synchronize()
+    kv.poll()  # the finished write releases any slots parked on the pending list
+    assert cache.pending_slots() == 0
+    kv.check_integrity()
+    for buf in pool.buffers():
         buf.fill_(-1.0)  # reuses the freed slots: must not reach the host copy
-    m = cache.match_prefix(key + [1])
+    m = cache.match(key + [1])
     assert m.host_hit_length == 32
-    loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
-    assert cache.ready_to_load_host_cache() > 0
-    # Attention reads layer by layer through the accessors, which wait on each layer's event.
-    pool = pool_of(cache)
+    loaded = kv.allocator.alloc(32)
+    cache.load_back(m.host_handle, loaded)
+    ticket = kv.start_loads()
+    assert ticket is not None and len(ticket.layer_events) == LAYERS
+    # Attention reads layer by layer through the accessors, which wait on each layer's event
+    # only while the consuming batch's ticket is installed.
+    pool.register_layer_transfer_counter(ticket)
+    idx = loaded.cuda()
     got = []
     for layer in range(LAYERS):
         if kind == "MHA":
-            got += [pool.get_key_buffer(layer)[loaded].clone(), pool.get_value_buffer(layer)[loaded].clone()]
+            got += [pool.get_key_buffer(layer)[idx].clone(), pool.get_value_buffer(layer)[idx].clone()]
         else:
-            got.append(pool.get_key_buffer(layer)[loaded].clone())
+            got.append(pool.get_key_buffer(layer)[idx].clone())
+    pool.register_layer_transfer_counter(None)
     want = original if kind == "MLA" else [original[i] for l in range(LAYERS) for i in (l, LAYERS + l)]
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     torch.cuda.synchronize()
-    cache.check_hicache_events()
-    assert cache.protected_size() == 0 and ctrl.layer_counter._events is None
-    assert_consistent(cache)
-    assert_everything_freed(cache)
+    kv.poll()
+    assert cache.protected_size() == 0 and not ctrl.ack_load_queue
+    assert_consistent(kv)
+    assert_everything_freed(kv)
 
 
 # ---- through the real scheduler ----------------------------------------------------------
@@ -129,24 +141,28 @@ def test_scheduler_multi_turn_with_host_tier_matches_plain_cache():
 
     plain = make()
     expected = _multi_turn(plain, turns=3, max_new=4, conversations=3)
+    plain.kv.check_integrity()
     assert plain.flush_cache()
 
     sched = make(enable_hierarchical_cache=True)
-    assert isinstance(sched.tree_cache, HiRadixCache)
+    assert isinstance(sched.kv.prefix_cache, HiRadixCache) and sched.kv.is_hierarchical
     got = _multi_turn(sched, turns=3, max_new=4, conversations=3)
+    sched.kv.check_integrity()
     assert {rid: v[0] for rid, v in got.items()} == {rid: v[0] for rid, v in expected.items()}
-    stats = sched._update_stats()
+    stats = sched.kv.stats()
+    host_pool = sched.kv.h.host_pool
     assert stats.backed_up_tokens_total > 0 and stats.loaded_back_tokens_total > 0
-    assert stats.hicache_host_total_tokens == sched.model_runner.host_pool.size
-    assert 0 < stats.hicache_host_used_tokens <= stats.hicache_host_total_tokens
+    assert stats.host_total == host_pool.size
+    assert 0 < stats.host_used <= stats.host_total
     # Later turns were served from the host tier; the plain cache never reports host tokens.
     host_served = {rid: v[2] for rid, v in got.items() if v[2] > 0}
     assert host_served and all(not rid.endswith("t0") for rid in host_served)
     assert all(v[2] == 0 for v in expected.values())
 
-    assert sched.tree_cache.protected_size() == 0
+    assert sched.kv.prefix_cache.protected_size() == 0
     assert sched.flush_cache()
-    assert sched.allocator.available_size() == sched.max_total_num_tokens
-    assert sched.model_runner.host_pool.available_size() == sched.model_runner.host_pool.size
-    assert sched.req_to_token_pool.available_size() == sched.model_runner.max_running_requests
-    assert sched._update_stats().hicache_host_used_tokens == 0
+    sched.kv.check_integrity()
+    assert sched.kv.allocator.available_size() == sched.max_total_num_tokens
+    assert host_pool.available_size() == host_pool.size
+    assert sched.kv.rtt.available_size() == sched.model_runner.max_running_requests
+    assert sched.kv.stats().host_used == 0

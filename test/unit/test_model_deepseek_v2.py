@@ -268,8 +268,9 @@ def test_engine_serves_hf_folder(tmp_path):
     assert max(decode_sizes) == 2  # r1 and r2 decode in one batch
     for rid, ids in prompts.items():
         assert outs[rid][0] == hf_greedy(hf, ids, 6), rid
+    sched.kv.check_integrity()
     assert sched.flush_cache()
-    assert sched.allocator.available_size() == sched.max_total_num_tokens
+    assert sched.kv.allocator.available_size() == sched.max_total_num_tokens
 
 
 def test_bfloat16_close_to_float32():
