@@ -45,7 +45,9 @@ VARIANTS = {  # name -> (activation dtype, --quantization)
 class DecodeHarness:
     """Pools, backend and batches for B requests of one model, decode one token a step."""
 
-    def __init__(self, model, config, dtype: torch.dtype, batch: int, context: int, pool: int):
+    def __init__(self, model, config, dtype: torch.dtype, prompts: list[list[int]], pool: int):
+        """Prefills `prompts` (one request each) into fresh pools of `pool` KV slots."""
+        batch = len(prompts)
         self.model, self.batch = model, batch
         self.req_to_token_pool = ReqToTokenPool(batch, pool // batch, "cpu")
         self.kv_pool = MHATokenToKVPool(pool, 1, dtype, config.num_key_value_heads, config.head_dim,
@@ -54,9 +56,7 @@ class DecodeHarness:
         self.backend = TorchNativeAttnBackend()
         self.rows = list(range(batch))
         self.lens = [0] * batch
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(100, config.vocab_size, (batch, context), generator=gen)
-        self.step(ForwardMode.EXTEND, prompt.tolist())
+        self.first_logits = self.step(ForwardMode.EXTEND, prompts)
 
     def step(self, mode: ForwardMode, tokens: list[list[int]]) -> torch.Tensor:
         ext = [len(t) for t in tokens]
@@ -102,7 +102,9 @@ def bench_decode(models: dict, batch_sizes: list[int], context: int, steps: int,
     rows = []
     for b in batch_sizes:
         pool = b * (context + (repeats + 1) * (steps + 1) + 8)
-        harness = {n: DecodeHarness(m, c, d, b, context, pool) for n, (m, c, d) in models.items()}
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(100, next(iter(models.values()))[1].vocab_size, (b, context), generator=gen).tolist()
+        harness = {n: DecodeHarness(m, c, d, prompts, pool) for n, (m, c, d) in models.items()}
         times: dict[str, list[float]] = {n: [] for n in models}
         with torch.inference_mode():
             for _ in range(repeats):
