@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hiserve.layers.quantization.gguf import INT4_TYPES, GGUFInt4Linear, GGUFQuantizedTensor
+from hiserve.layers.quantization.gguf import GROUP_SIZE, INT4_TYPES, GGUFInt4Linear, GGUFQuantizedTensor
 
 QUANTIZATION_METHODS = ("gguf", "none")
 
@@ -52,8 +52,10 @@ class GGUFInt4Config:
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                 quant_config: GGUFInt4Config | None, names: Sequence[str]) -> nn.Module:
     """A `GGUFInt4Linear` when `quant_config` takes all of `names` (the checkpoint tensors
-    stacked into this layer, in row order), else a dense `nn.Linear`."""
-    if quant_config is not None and in_features % 32 == 0 and quant_config.takes(names):
+    stacked into this layer, in row order) and the kernel's shape rules (K % 32, N % 16), else a
+    dense `nn.Linear`."""
+    fits = in_features % GROUP_SIZE == 0 and out_features % 16 == 0
+    if quant_config is not None and fits and quant_config.takes(names):
         quant_config.int4_names.update(names)
         return GGUFInt4Linear(in_features, out_features, bias, dtype)
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)

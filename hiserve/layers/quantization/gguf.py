@@ -85,7 +85,7 @@ class GGUFInt4Linear(nn.Module):
 
     Args:
         in_features: K, a multiple of 32.
-        out_features: N.
+        out_features: N, a multiple of 16 (the CPU packing's rule).
         bias: whether a dense bias [N] (float, from the checkpoint) is added.
         dtype: activation dtype (bfloat16 or float32); the scales and zeros are stored in it.
     Forward: x [T, K] in `dtype` -> [T, N] in `dtype`.
@@ -139,19 +139,18 @@ class GGUFInt4Linear(nn.Module):
         self._codes = self._scale = self._zero = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed_weight, GROUP_SIZE,
-                                                       self.scales_and_zeros)
+        y = self._matmul(x)
         return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed_weight, GROUP_SIZE,
+                                                          self.scales_and_zeros)
 
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
-        """The weight [N, K] the kernel multiplies by (through the kernel, against an identity)."""
+        """The weight [N, K] the kernel multiplies by (the kernel applied to an identity), in `dtype`."""
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed_weight.device)
-        return self.forward_no_bias(eye).t().contiguous()
-
-    def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed_weight, GROUP_SIZE,
-                                                          self.scales_and_zeros)
+        return self._matmul(eye).t().contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
