@@ -37,8 +37,9 @@ def test_gguf_native_agrees_with_transformers_float32(base_url, hf_reference):  
     for ids, ref_out, _ in hf_reference:
         ours = generate_ids(base_url, ids)["output_ids"]
         assert len(ours) == NEW_TOKENS
-        assert ours[0] == ref_out[0], (ids[-8:], ours[:4], ref_out[:4])
         prefixes.append(common_prefix(ours, ref_out))
+    print("common prefix with transformers float32 per prompt:", prefixes)
+    assert all(p >= 1 for p in prefixes), f"first token differs: {prefixes}"
     assert min(prefixes) >= MIN_PREFIX, prefixes
     assert sum(prefixes) / len(prefixes) >= MIN_MEAN_PREFIX, prefixes
 
