@@ -113,6 +113,7 @@ def bench_decode(models: dict, batch_sizes: list[int], context: int, steps: int,
         for n, ts in times.items():
             rows.append({"variant": n, "batch": b, "context": context, "median_ms_per_step": statistics.median(ts),
                          "min_ms_per_step": min(ts), "samples_ms": ts})
+            print(f"decode batch {b} {n}: median {rows[-1]['median_ms_per_step']:.2f} ms/step", flush=True)
     return rows
 
 
@@ -146,6 +147,7 @@ def bench_gemms(models: dict, ms: list[int], repeats: int) -> list[dict]:
                     res[n] = _timeit_us(fn, repeats)
             rows.append({"proj": proj, "M": m, "kind": {n: type(_mod_of(layer_of[n], heads[n], proj)).__name__
                                                          for n in models}, "median_us": res})
+            print(f"gemm {proj} M={m}: " + ", ".join(f"{n} {v:.0f} us" for n, v in res.items()), flush=True)
     return rows
 
 

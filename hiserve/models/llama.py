@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2-style qkv bias).
 
-q/k/v share one Linear (`qkv_proj`) and gate/up share one (`gate_up_proj`);
-`load_weights` stacks the separate checkpoint tensors into them.
+q/k/v share one Linear (`qkv_proj`) and gate/up share one (`gate_up_proj`), so each is
+one GEMM; `load_weights` stacks the separate checkpoint tensors into them. With a
+`GGUFInt4Config` (`--quantization gguf`) a projection whose GGUF shards are all Q4_0/Q4_1
+is a `GGUFInt4Linear` (int4 weight-only GEMM, packed once at load) instead of an nn.Linear.
 """
 
 from __future__ import annotations
