@@ -197,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
                 layer = int4[target]
                 start = 0 if shard is None else self._shard_range(shard, layer.out_features)[0]
                 layer.load_rows(start, tensor)
+                if layer.rows_loaded == layer.out_features:
+                    layer.finalize()  # pack now: one layer's staging at a time, not the model's
                 continue
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
@@ -213,5 +215,3 @@ class LlamaForCausalLM(nn.Module):
         missing += [n for n, m in int4.items() if m.rows_loaded != m.out_features]
         if missing:
             raise ValueError(f"parameters not (fully) loaded from the checkpoint: {missing[:8]}")
-        for layer in int4.values():
-            layer.finalize()
