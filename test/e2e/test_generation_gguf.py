@@ -6,12 +6,13 @@ outputs may part once the reference has a close call; what must hold:
 - the greedy continuations stay coherent: the common prefix with the reference averages at
   least MIN_MEAN_PREFIX of the NEW_TOKENS tokens, and no prompt parts before MIN_PREFIX tokens.
 
-Calibration: benchmark/cpu/bench_linear_agreement.py measures the same agreement in-process
-for the int4, dequantized-bf16 and float32 paths. The thresholds are set so that an int4 path
-no worse than plain bf16 dequantization passes, while a wrong mapping of the GGUF blocks
-(which changes the first token) fails; MIN_PREFIX/MIN_MEAN_PREFIX were set before that
-script's numbers were in (see the branch's report) and must be re-checked against
-benchmark/results/cpu_bench_linear_agreement.json once it has run on a quiet machine.
+Measured (this test, 2-core AMD EPYC with AVX512-BF16, torch 2.13): common prefixes
+[19, 6, 22, 32, 8, 32] of 32 tokens over the 6 prompts (mean 19.8, min 6), first token 6/6.
+MIN_PREFIX = 4 and MIN_MEAN_PREFIX = 12 leave room for a CPU whose kernels round otherwise
+(a different ISA path of the int4 kernel or of oneDNN) while still failing a broken block
+mapping, which changes the first token. benchmark/cpu/bench_linear_agreement.py measures
+the same agreement in-process for the int4, dequantized-bf16 and float32 paths, to re-check
+the thresholds against plain bf16 dequantization on a quiet machine.
 """
 
 from __future__ import annotations
