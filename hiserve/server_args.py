@@ -48,6 +48,14 @@ class ServerArgs:
         "auto", "Weight and activation dtype. 'auto' picks bfloat16 on CUDA and on CPUs with native bf16 "
         "(AVX512-BF16/AMX), else float32. Use float32 to compare with a float32 reference.",
         choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: Optional[str] = _arg(
+        None, "Weight format. 'gguf': a GGUF file served in its own format: its Q4_0/Q4_1 projections "
+        "run as int4 weight-only GEMM with --dtype activations (PyTorch's CPU int4 kernel, group 32), "
+        "other GGUF types (the Q8_0/Q6_K/F16 embedding or head) dequantized to --dtype; CPU only. "
+        "'none': every tensor dequantized to --dtype. Default: gguf for a GGUF model on the CPU "
+        "unless --dtype float32 (the reference dtype, kept bit-comparable with transformers) or "
+        "--load-format dummy; none otherwise (CUDA, HF folders).",
+        choices=("gguf", "none"))
     device: str = _arg("auto", "Device to run on; 'auto' picks cuda when available.",
                        choices=("auto", "cpu", "cuda"))
     random_seed: int = _arg(42, "Seed of the server's random generators.")
@@ -183,6 +191,8 @@ class ServerArgs:
             self.dtype = "bfloat16" if self.device == "cuda" or _cpu_has_bf16() else "float32"
             logger.info("--dtype auto -> %s", self.dtype)
 
+        self._resolve_quantization()
+
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size != 1:
@@ -222,6 +232,31 @@ class ServerArgs:
             raise dataclasses.FrozenInstanceError(
                 f"ServerArgs is frozen after resolve(); cannot set {name}")
         object.__setattr__(self, name, value)
+
+    def _resolve_quantization(self) -> None:
+        """--quantization default (gguf for a GGUF model on the CPU in bf16/fp16), and its limits."""
+        from hiserve.models.loader import is_gguf
+
+        gguf_file = is_gguf(self.model_path)
+        if self.quantization is None:
+            if gguf_file and self.device == "cpu" and self.dtype != "float32" and self.load_format == "auto":
+                self.quantization, why = "gguf", "GGUF model on the CPU"
+            else:
+                self.quantization = "none"
+                why = ("--dtype float32 is the reference path" if gguf_file and self.dtype == "float32"
+                       else "not a GGUF model on the CPU with its weights")
+            logger.info("--quantization not given -> %s (%s)", self.quantization, why)
+        if self.quantization == "gguf":
+            if not gguf_file:
+                raise ValueError(f"--quantization gguf needs a GGUF file as --model-path, got {self.model_path}")
+            if self.device != "cpu":
+                raise ValueError(f"--quantization gguf runs PyTorch's CPU int4 kernel; --device is {self.device}, "
+                                 f"use --quantization none")
+            if self.load_format != "auto":
+                raise ValueError(f"--quantization gguf needs the GGUF's weights; --load-format {self.load_format} "
+                                 f"has none (use --quantization none)")
+            if self.dtype == "float16":
+                raise ValueError("--quantization gguf runs bfloat16 or float32 activations, not --dtype float16")
 
     # ------------------------------------------------------------------ attention + graphs
     def _detect_platform(self) -> "Platform":

@@ -87,7 +87,8 @@ class ModelRunner:
             torch.set_num_threads(max(1, os.cpu_count() or 1))
 
         if model is None:
-            model = load_model(server_args.model_path, self.dtype, self.device, load_format=server_args.load_format)
+            model = load_model(server_args.model_path, self.dtype, self.device, load_format=server_args.load_format,
+                               quantization=server_args.quantization or "none")
         self.model, self.model_config = model
         self.model.eval()
         if getattr(self.model, "pack_for_cpu", None) is not None and self.model.pack_for_cpu():

