@@ -26,6 +26,7 @@ class TokenizedGenerateReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # read by the API process only
 
 
 @dataclass
