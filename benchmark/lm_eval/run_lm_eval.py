@@ -11,7 +11,7 @@ a greedy near-tie may flip one answer between two float32 implementations), and 
 per-request loglikelihoods within 1e-2 nats of each other.
 
 Usage: PYTHONPATH=$PWD .venv/bin/python benchmark/lm_eval/run_lm_eval.py [--model-path GGUF]
-Needs `pip install lm-eval==0.4.13` (the `eval` extra). No dataset hub is contacted.
+Needs `pip install "lm-eval[api]==0.4.13"` (the `eval` extra). No dataset hub is contacted.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def _chat_schema(client: httpx.Client, schema: dict) -> httpx.Response:
 
 
 def _json_object(oai: openai.OpenAI, stream: bool) -> str:
-    kwargs = dict(model="m", messages=[{"role": "user", "content": "Give a JSON object with a short 'name'."}],
+    # Free-form JSON lets a small model ramble inside a string; asking for a tiny object keeps it short.
+    kwargs = dict(model="m", messages=[{"role": "user", "content": 'Reply with exactly this JSON: {"a": 1}'}],
                   max_tokens=100, temperature=0, response_format={"type": "json_object"})
     if stream:
         return "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kwargs)
