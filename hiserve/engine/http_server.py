@@ -33,7 +33,9 @@ from hiserve.engine.logprobs_format import (
     LogprobTracker,
     apply_logprob_options,
     chat_logprobs,
-    completion_logprobs,
+    chat_stream_logprobs,
+    completion_choice_logprobs,
+    completion_stream_logprobs,
 )
 from hiserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hiserve.engine.protocol import (
@@ -345,17 +347,6 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     echo_texts = ([p if isinstance(p, str) else tm.tokenizer.decode(p) for p in raw_prompts]
                   if req.echo else None)
 
-    def choice_logprobs(st: ReqState, echo_now: bool, start: int = 0) -> Optional[dict[str, Any]]:
-        """Completion logprobs of `st`'s output from `start` (with the prompt's first, under echo)."""
-        if st.logprobs is None:
-            return None
-        prompt_text = echo_texts[st.index // req.n] if req.echo else ""
-        if echo_now:
-            return completion_logprobs(tm.tokenizer, *st.logprobs.echo_entries())
-        entries, tops = st.logprobs.output_entries(start)
-        offset = len(prompt_text) if start == 0 else 0
-        return completion_logprobs(tm.tokenizer, entries, tops, offset)
-
     if req.stream:
         gen = tm.generate(subreqs)
         first = await _first_output(gen)
@@ -372,15 +363,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
             echo_now = req.echo and first_chunk
             if echo_now:
                 text = echo_texts[st.index // req.n] + text
-            logprobs = None
-            if st.logprobs is not None:
-                entries, tops = lp_tracker.new_output(st.index, st.logprobs)
-                if echo_now:
-                    prompt_entries, prompt_tops = st.logprobs.echo_entries()
-                    n_in = len(st.logprobs.input_token_logprobs)
-                    entries, tops = prompt_entries[:n_in] + entries, prompt_tops[:n_in] + tops
-                if entries:
-                    logprobs = completion_logprobs(tm.tokenizer, entries, tops)
+            logprobs = completion_stream_logprobs(tm.tokenizer, st.logprobs, lp_tracker, st.index, echo_now)
             if not text and not st.finished and logprobs is None:
                 return []
             reason, matched = _finish(st)
@@ -393,9 +376,12 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         return StreamingResponse(_sse(first, gen, render, tail), media_type="text/event-stream")
 
     states = await _collect(tm.generate(subreqs, request))
-    choices = [CompletionChoice(index=st.index, text=(echo_texts[st.index // req.n] if req.echo else "") + st.text,
-                                logprobs=choice_logprobs(st, req.echo), finish_reason=_finish(st)[0],
-                                matched_stop=_finish(st)[1]) for st in states]
+    choices = []
+    for st in states:
+        prompt_text = echo_texts[st.index // req.n] if req.echo else ""
+        choices.append(CompletionChoice(
+            index=st.index, text=prompt_text + st.text, finish_reason=_finish(st)[0], matched_stop=_finish(st)[1],
+            logprobs=completion_choice_logprobs(tm.tokenizer, st.logprobs, req.echo, len(prompt_text))))
     return _json(CompletionResponse(id=rid, model=model, choices=choices,
                                     usage=_usage(states, req.n)).model_dump())
 
@@ -432,10 +418,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             if st.index not in tracker.sent:
                 out.append(chunk(st.index, {"role": "assistant", "content": ""}))
             text = tracker.delta(st)
-            logprobs = None
-            if st.logprobs is not None and (text or st.finished):
-                entries, tops = lp_tracker.new_output(st.index, st.logprobs)
-                logprobs = chat_logprobs(tm.tokenizer, entries, tops, top_n) if entries else None
+            logprobs = (chat_stream_logprobs(tm.tokenizer, st.logprobs, lp_tracker, st.index, top_n)
+                        if text or st.finished else None)
             if text:
                 out.append(chunk(st.index, {"content": text}, logprobs=logprobs))
                 logprobs = None

@@ -149,3 +149,36 @@ def apply_logprob_options(subreqs: list[tuple[str, Any]], options: list[tuple[bo
                                       f"({len(req.input_ids)} tokens).", param="logprob_start_len")
             req.return_logprob, req.logprob_start_len, req.top_logprobs_num = ret, start, top
             req.return_text_in_logprobs = return_text
+
+
+def completion_choice_logprobs(tokenizer: Any, state: Optional[LogprobState], echo: bool,
+                               text_offset: int) -> Optional[dict[str, Any]]:
+    """A whole completion choice's logprobs (prompt first under echo); None when not asked."""
+    if state is None:
+        return None
+    if echo:
+        return completion_logprobs(tokenizer, *state.echo_entries())
+    return completion_logprobs(tokenizer, *state.output_entries(), text_offset)
+
+
+def completion_stream_logprobs(tokenizer: Any, state: Optional[LogprobState], tracker: LogprobTracker,
+                               index: int, with_prompt: bool) -> Optional[dict[str, Any]]:
+    """The logprobs of a streamed completion chunk: the new output tokens (after the prompt's,
+    in the first chunk under echo); None when there are none."""
+    if state is None:
+        return None
+    entries, tops = tracker.new_output(index, state)
+    if with_prompt:
+        n_in = len(state.input_token_logprobs)
+        prompt_entries, prompt_tops = state.echo_entries()
+        entries, tops = prompt_entries[:n_in] + entries, prompt_tops[:n_in] + tops
+    return completion_logprobs(tokenizer, entries, tops) if entries else None
+
+
+def chat_stream_logprobs(tokenizer: Any, state: Optional[LogprobState], tracker: LogprobTracker,
+                         index: int, top_n: int) -> Optional[dict[str, Any]]:
+    """The logprobs of a streamed chat chunk (the new output tokens), or None."""
+    if state is None:
+        return None
+    entries, tops = tracker.new_output(index, state)
+    return chat_logprobs(tokenizer, entries, tops, top_n) if entries else None
