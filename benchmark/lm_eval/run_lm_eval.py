@@ -73,7 +73,8 @@ def main() -> int:
     tok_dir = tempfile.mkdtemp(prefix="hiserve_lmeval_tok_")
     get_tokenizer(model_path).save_pretrained(tok_dir)  # lm-eval's tokenizer for local-completions
 
-    proc, url = popen_launch_server(["--model-path", model_path])
+    # A small KV pool: the prompts are short, and the machine may be shared.
+    proc, url = popen_launch_server(["--model-path", model_path, "--max-total-tokens", "4096"])
     try:
         t0 = time.time()
         served = evaluate("local-completions", {

@@ -20,7 +20,7 @@ PYTHONPATH=$PWD "$py" -c "
 from hiserve.models.loader import get_tokenizer, resolve_model_path
 get_tokenizer(resolve_model_path(None)).save_pretrained('$tok')"
 log=$(mktemp)
-PYTHONPATH=$PWD "$py" -m hiserve.launch_server --host 127.0.0.1 --port "$port" --dtype float32 >"$log" 2>&1 &
+PYTHONPATH=$PWD "$py" -m hiserve.launch_server --host 127.0.0.1 --port "$port" --dtype float32 --max-total-tokens 4096 >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
