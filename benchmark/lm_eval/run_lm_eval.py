@@ -79,7 +79,8 @@ def main() -> int:
         t0 = time.time()
         served = evaluate("local-completions", {
             "model": model_path, "base_url": f"{url}/v1/completions", "tokenizer_backend": "huggingface",
-            "tokenizer": tok_dir, "tokenized_requests": True, "num_concurrent": 8, "max_retries": 1})
+            "tokenizer": tok_dir, "tokenized_requests": True, "num_concurrent": 8, "max_retries": 3,
+            "timeout": 3000})  # seconds per request: a busy CPU machine is slow
         t_served = time.time() - t0
     finally:
         kill(proc)
