@@ -91,13 +91,14 @@ def main() -> int:
 
     s_served, s_ref = scores(served), scores(reference)
     ll_s, ll_r = loglikelihoods(served), loglikelihoods(reference)
-    max_ll_diff = max(abs(a - b) for a, b in zip(ll_s, ll_r)) if ll_s else float("nan")
-    rows, ok = [], len(ll_s) == len(ll_r) and max_ll_diff <= LL_TOL
+    max_ll_diff = float(max(abs(a - b) for a, b in zip(ll_s, ll_r))) if ll_s else float("nan")
+    rows, ok = [], bool(len(ll_s) == len(ll_r) and max_ll_diff <= LL_TOL)
     for task in TASKS:
         n = len(served["samples"][task])
         for metric, value in s_served[task].items():
             ref = s_ref[task].get(metric)
-            good = ref is not None and abs(value - ref) <= 1.0 / n + 1e-9
+            value, ref = float(value), (None if ref is None else float(ref))  # numpy scalars -> JSON
+            good = bool(ref is not None and abs(value - ref) <= 1.0 / n + 1e-9)
             ok = ok and good
             rows.append({"task": task, "metric": metric, "hiserve": value, "hf": ref, "n": n, "within_tol": good})
     print(f"{'task':<12} {'metric':<12} {'hiserve':>8} {'hf':>8} {'n':>4}  ok")
