@@ -263,7 +263,13 @@ def apply_logit_bias_and_mask(logits: torch.Tensor, info: SamplingBatchInfo) -> 
         logits = logits.index_put((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values,
                                   accumulate=True)
     if info.vocab_mask is not None:
-        logits = logits.masked_fill(~unpack_bitmask(info.vocab_mask, logits.shape[-1]), float("-inf"))
+        allowed = unpack_bitmask(info.vocab_mask, logits.shape[-1])
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        if bool(dead.any()):
+            # min_new_tokens banned the only tokens the grammar allows (its stop token): the
+            # grammar wins, uniformly over what it allows, rather than a NaN distribution.
+            logits = torch.where(dead & allowed, torch.zeros_like(logits), logits)
     return logits
 
 

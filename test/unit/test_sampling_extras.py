@@ -59,6 +59,18 @@ def test_bitmask_unpack_and_mask_forbids_tokens():
     assert torch.isinf(lp[0, 10]) and torch.isclose(lp[0, allowed].exp().sum(), torch.tensor(1.0))
 
 
+def test_grammar_wins_over_min_new_tokens():
+    """A mask allowing only EOS while min_new_tokens bans it must not give a NaN distribution."""
+    eos = 2
+    info = SamplingBatchInfo.from_reqs([SamplingParams(temperature=0.7, min_new_tokens=5)], [([1], [3])], V, "cpu",
+                                       eos_token_ids=[eos])
+    mask = torch.zeros(1, 3, dtype=torch.int32)
+    mask[0, 0] = 1 << eos
+    info.vocab_mask = mask
+    ids, lp = Sampler().sample_and_logprobs(torch.randn(1, V), info, torch.tensor([0]))
+    assert ids.item() == eos and not torch.isnan(lp).any()
+
+
 def test_sign_bit_of_a_bitmask_word():
     mask = torch.tensor([[-(2 ** 31), 0, 0]], dtype=torch.int32)  # only bit 31 set
     assert unpack_bitmask(mask, V)[0].nonzero().view(-1).tolist() == [31]
