@@ -29,6 +29,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hiserve.engine.logprobs_format import (
+    LogprobTracker,
+    apply_logprob_options,
+    chat_logprobs,
+    chat_stream_logprobs,
+    completion_choice_logprobs,
+    completion_stream_logprobs,
+)
 from hiserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hiserve.engine.protocol import (
     AbortReqInput,
@@ -272,6 +280,8 @@ async def generate(obj: GenerateReqInput, request: Request) -> Response:
         else:
             params = [(sp_in or SamplingParamsInput()).to_sampling_params() for _ in prompts]
         subreqs = tm.make_requests(prompts, params, obj.rid, obj.stream)
+        apply_logprob_options(subreqs, obj.logprob_options(len(prompts)), [p.n for p in params],
+                              bool(obj.return_text_in_logprobs))
     many = batched or len(subreqs) > 1
     if obj.stream:
         gen = tm.generate(subreqs)
@@ -325,26 +335,39 @@ class _DeltaTracker:
 async def completions(req: CompletionRequest, request: Request) -> Response:
     tm = _tm(request)
     with _param_names(_OPENAI_PARAM_NAMES):
-        prompts = [tm.tokenize(p) if isinstance(p, str) else p for p in req.prompts()]
+        raw_prompts = req.prompts()
+        prompts = [tm.tokenize(p) if isinstance(p, str) else p for p in raw_prompts]
         params = [req.to_sampling_params() for _ in prompts]
         subreqs = tm.make_requests(prompts, params, req.rid, req.stream)
+        want = req.logprobs is not None
+        apply_logprob_options(subreqs, [(want, 0 if req.echo and want else -1, req.logprobs or 0)] * len(prompts),
+                              [req.n] * len(prompts))
     rid = req.rid if isinstance(req.rid, str) else f"cmpl-{uuid.uuid4().hex}"
     model = req.model or tm.model_name
+    echo_texts = ([p if isinstance(p, str) else tm.tokenizer.decode(p) for p in raw_prompts]
+                  if req.echo else None)
+
     if req.stream:
         gen = tm.generate(subreqs)
         first = await _first_output(gen)
         created = int(time.time())
         tracker = _DeltaTracker()
+        lp_tracker = LogprobTracker()
 
         def chunk(choices: list[CompletionChoice], usage: Optional[UsageInfo] = None) -> CompletionStreamResponse:
             return CompletionStreamResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         def render(st: ReqState) -> list[Any]:
+            first_chunk = st.index not in tracker.sent
             text = tracker.delta(st)
-            if not text and not st.finished:
+            echo_now = req.echo and first_chunk
+            if echo_now:
+                text = echo_texts[st.index // req.n] + text
+            logprobs = completion_stream_logprobs(tm.tokenizer, st.logprobs, lp_tracker, st.index, echo_now)
+            if not text and not st.finished and logprobs is None:
                 return []
             reason, matched = _finish(st)
-            return [chunk([CompletionChoice(index=st.index, text=text, finish_reason=reason,
+            return [chunk([CompletionChoice(index=st.index, text=text, logprobs=logprobs, finish_reason=reason,
                                             matched_stop=matched)])]
 
         def tail() -> list[Any]:
@@ -353,8 +376,12 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         return StreamingResponse(_sse(first, gen, render, tail), media_type="text/event-stream")
 
     states = await _collect(tm.generate(subreqs, request))
-    choices = [CompletionChoice(index=st.index, text=st.text, finish_reason=_finish(st)[0],
-                                matched_stop=_finish(st)[1]) for st in states]
+    choices = []
+    for st in states:
+        prompt_text = echo_texts[st.index // req.n] if req.echo else ""
+        choices.append(CompletionChoice(
+            index=st.index, text=prompt_text + st.text, finish_reason=_finish(st)[0], matched_stop=_finish(st)[1],
+            logprobs=completion_choice_logprobs(tm.tokenizer, st.logprobs, req.echo, len(prompt_text))))
     return _json(CompletionResponse(id=rid, model=model, choices=choices,
                                     usage=_usage(states, req.n)).model_dump())
 
@@ -368,17 +395,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         ids = tm.apply_chat_template(req.template_messages(), req.chat_template_kwargs,
                                      req.continue_final_message)
         subreqs = tm.make_requests([ids], [sp], req.rid, req.stream)
+        apply_logprob_options(subreqs, [(req.logprobs, -1, req.top_logprobs or 0)], [req.n])
     rid = req.rid if isinstance(req.rid, str) else f"chatcmpl-{uuid.uuid4().hex}"
+    top_n = req.top_logprobs or 0
     model = req.model or tm.model_name
     if req.stream:
         gen = tm.generate(subreqs)
         first = await _first_output(gen)
         created = int(time.time())
         tracker = _DeltaTracker()
+        lp_tracker = LogprobTracker()
 
-        def chunk(index: int, delta: dict[str, str], st: Optional[ReqState] = None) -> ChatCompletionStreamResponse:
+        def chunk(index: int, delta: dict[str, str], st: Optional[ReqState] = None,
+                  logprobs: Optional[dict[str, Any]] = None) -> ChatCompletionStreamResponse:
             reason, matched = _finish(st) if st is not None else (None, None)
-            choice = ChatStreamChoice(index=index, delta=delta, finish_reason=reason, matched_stop=matched)
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                                      matched_stop=matched)
             return ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice])
 
         def render(st: ReqState) -> list[Any]:
@@ -386,10 +418,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             if st.index not in tracker.sent:
                 out.append(chunk(st.index, {"role": "assistant", "content": ""}))
             text = tracker.delta(st)
+            logprobs = (chat_stream_logprobs(tm.tokenizer, st.logprobs, lp_tracker, st.index, top_n)
+                        if text or st.finished else None)
             if text:
-                out.append(chunk(st.index, {"content": text}))
+                out.append(chunk(st.index, {"content": text}, logprobs=logprobs))
+                logprobs = None
             if st.finished:
-                out.append(chunk(st.index, {}, st))
+                out.append(chunk(st.index, {}, st, logprobs=logprobs))
             return out
 
         def tail() -> list[Any]:
@@ -401,8 +436,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         return StreamingResponse(_sse(first, gen, render, tail), media_type="text/event-stream")
 
     states = await _collect(tm.generate(subreqs, request))
-    choices = [ChatChoice(index=st.index, message=ChatMessageOut(content=st.text), finish_reason=_finish(st)[0],
-                          matched_stop=_finish(st)[1]) for st in states]
+    choices = [ChatChoice(index=st.index, message=ChatMessageOut(content=st.text),
+                          logprobs=(chat_logprobs(tm.tokenizer, *st.logprobs.output_entries(), top_n)
+                                    if st.logprobs is not None else None),
+                          finish_reason=_finish(st)[0], matched_stop=_finish(st)[1]) for st in states]
     return _json(ChatCompletionResponse(id=rid, model=model, choices=choices,
                                         usage=_usage(states, req.n)).model_dump())
 

@@ -22,6 +22,11 @@ class TokenizedGenerateReqInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
+    # Logprobs (see hiserve.engine.logprobs): logprob_start_len -1 = output logprobs only.
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # read by the API process only
 
 
 @dataclass
@@ -64,6 +69,21 @@ class SchedulerStats:
 
 
 @dataclass
+class LogprobChunk:
+    """Logprobs of one request that arrived with one BatchTokenIDOut entry.
+
+    Entries are (logprob, token_id) pairs; a top list is best first. The prompt's lists come
+    once, complete (the first prompt position's logprob is None); the output lists cover
+    exactly the entry's new output ids.
+    """
+
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: Optional[list[tuple[Optional[float], int]]] = None
+    input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+
+
+@dataclass
 class BatchTokenIDOut:
     """New output tokens of several requests since the last message.
 
@@ -80,6 +100,7 @@ class BatchTokenIDOut:
     cached_tokens_device: list[int]
     cached_tokens_host: list[int]
     stats: Optional[SchedulerStats] = None
+    logprobs: list[Optional[LogprobChunk]] = field(default_factory=list)  # per entry, when any asked
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hiserve.engine.logprobs import global_rows, input_logprob_rows, logprob_rows, record_output_logprobs
 from hiserve.engine.sampler import Sampler, SamplingBatchInfo
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.layers.attention.base import AttentionBackend
@@ -102,6 +103,7 @@ class ModelRunner:
         self.init_memory_pool()
         self.attn_backend = create_pass_attention_backend(server_args, self)
         self.sampler = Sampler()
+        self._grammar = None  # GrammarBackend, built at the first constrained request
         self.cuda_graph_runner = self._create_cuda_graph_runner()
 
     # ------------------------------------------------------------------ memory
@@ -181,8 +183,34 @@ class ModelRunner:
 
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Run the model on `batch`; returns next-token logits [B, vocab] float32 (after a graph
-        replay, a view valid until the next replay: sample before running another pass)."""
-        return self.forward_with_load(self.make_forward_batch(batch), batch.load_ticket)
+        replay, a view valid until the next replay: sample before running another pass).
+
+        For EXTEND passes where a request owes prompt logprobs, `batch.input_logits` receives
+        the logits of those positions. Grammar masks of constrained requests are built in a
+        worker thread while the pass runs. A batch that reads a load-back waits for it per
+        layer (`forward_with_load`).
+        """
+        fb = self.make_forward_batch(batch)
+        if batch.forward_mode.is_extend():
+            batch.input_logprob_rows = input_logprob_rows(batch)
+            if batch.input_logprob_rows is not None:
+                fb.input_logprob_rows = global_rows(batch, batch.input_logprob_rows, self.device)
+        grammar = self.grammar_backend(batch.reqs)
+        if grammar is not None:
+            grammar.start_fill(batch.reqs)
+        logits = self.forward_with_load(fb, batch.load_ticket)
+        batch.input_logits = fb.input_logits
+        return logits
+
+    def grammar_backend(self, reqs: list[Req]):
+        """The xgrammar backend, created the first time a request in `reqs` is constrained."""
+        if self._grammar is None and any(r.sampling_params.grammar_key for r in reqs):
+            from hiserve.engine.grammar import GrammarBackend
+            from hiserve.models.loader import get_tokenizer
+
+            self._grammar = GrammarBackend(get_tokenizer(self.server_args.tokenizer_path), self.vocab_size,
+                                           list(self.model_config.eos_token_ids))
+        return self._grammar
 
     def run_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] float32 of one pass: DECODE batches the CUDA-graph runner can take
@@ -206,10 +234,22 @@ class ModelRunner:
             self.token_to_kv_pool.register_layer_transfer_counter(None)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: set[int]) -> list[int]:
-        """Pick one token per request; returns them as Python ints."""
+        """Pick one token per request; returns them as Python ints. Records output logprobs on
+        the requests that asked, and advances grammar matchers."""
         params = [r.sampling_params for r in reqs]
         histories = [(r.origin_input_ids, r.output_ids) for r in reqs]
         info = SamplingBatchInfo.from_reqs(params, histories, self.vocab_size, logits.device,
                                            eos_token_ids=eos_ids)
+        grammar = self.grammar_backend(reqs)
+        if grammar is not None:
+            mask = grammar.bitmask_for(reqs)
+            info.vocab_mask = mask.to(logits.device) if mask is not None else None
+        rows = logprob_rows(reqs)
         with torch.inference_mode():
-            return self.sampler.sample(logits, info).tolist()
+            row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device) if rows else None
+            next_ids, logprobs = self.sampler.sample_and_logprobs(logits, info, row_index)
+            record_output_logprobs(reqs, rows, next_ids, logprobs)
+            ids = next_ids.tolist()
+        if grammar is not None:
+            grammar.accept(reqs, ids)
+        return ids

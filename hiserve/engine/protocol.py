@@ -3,8 +3,10 @@
 Requests validate strictly (pydantic strict mode): a string where a number is expected is
 a 400 that names the parameter, never a silent coercion. Unknown top-level keys are
 accepted and ignored, because benchmark clients send SGLang extras (`lora_path`,
-`return_logprob`, ...); a key that asks for a feature hiserve lacks (logprobs, tools,
-constrained decoding) is refused with a 400 rather than ignored.
+`lora_path`, ...); a key that asks for a feature hiserve lacks (tools, structural_tag,
+stop_regex, LoRA) is refused with a 400 rather than ignored. Logprobs, logit_bias and
+structured output (`response_format`, `json_schema` / `regex` / `ebnf`) are checked by
+`hiserve.engine.request_extras`.
 
 The `ApiError` family is the only way the API process reports a failed request; the HTTP
 server turns each into a status code and the error envelope in one place.
@@ -17,6 +19,12 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hiserve.engine.request_extras import (
+    check_top_logprobs,
+    constraint_fields,
+    parse_logit_bias,
+    response_format_schema,
+)
 from hiserve.engine.sampling_params import SamplingParams
 
 # ================================================================== errors
@@ -129,23 +137,24 @@ class SamplingParamsInput(_Strict):
     sampling_seed: Optional[int] = None
     stream_interval: Optional[int] = None
     custom_params: Optional[dict[str, Any]] = None  # accepted, unused (no custom logit processors)
-    # SGLang features hiserve does not implement: refused when set.
+    # Constrained decoding (xgrammar, at most one) and token biases.
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # SGLang features hiserve does not implement: refused when set.
     structural_tag: Optional[str] = None
     stop_regex: Union[str, list[str], None] = None
-    logit_bias: Optional[dict[str, float]] = None
 
     def to_sampling_params(self) -> SamplingParams:
-        for name in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex"):
+        for name in ("structural_tag", "stop_regex"):
             if getattr(self, name) is not None:
                 raise BadRequestError(f"{name} is not supported by this server.", param=name)
-        if self.logit_bias:
-            raise BadRequestError("logit_bias is not supported by this server.", param="logit_bias")
         fields = self.model_dump(exclude={"custom_params", "json_schema", "regex", "ebnf",
                                           "structural_tag", "stop_regex", "logit_bias"})
-        return SamplingParams(**fields)
+        constraint = constraint_fields({"json_schema": self.json_schema, "regex": self.regex,
+                                        "ebnf": self.ebnf})
+        return SamplingParams(**fields, **constraint, logit_bias=parse_logit_bias(self.logit_bias))
 
 
 class GenerateReqInput(_Strict):
@@ -156,11 +165,12 @@ class GenerateReqInput(_Strict):
     sampling_params: Union[SamplingParamsInput, list[SamplingParamsInput], None] = None
     stream: bool = False
     rid: Union[str, list[str], None] = None
-    # Accepted for client compatibility (bench_serving, bench_multiturn send them).
+    # Logprobs in meta_info (see hiserve.engine.logprobs for the definitions).
     return_logprob: Union[bool, list[bool], None] = None
     logprob_start_len: Union[int, list[int], None] = None
     top_logprobs_num: Union[int, list[int], None] = None
     return_text_in_logprobs: Optional[bool] = None
+    # Accepted for client compatibility (bench_serving, bench_multiturn send them).
     lora_path: Union[str, list[Optional[str]], None] = None
     stream_options: Optional[dict[str, Any]] = None
     input_embeds: Optional[Any] = None
@@ -172,12 +182,30 @@ class GenerateReqInput(_Strict):
             raise BadRequestError("input_embeds is not supported by this server.", param="input_embeds")
         if self.image_data:
             raise BadRequestError("image_data is not supported by this server.", param="image_data")
-        logprob = self.return_logprob if isinstance(self.return_logprob, list) else [self.return_logprob]
-        if any(logprob):
-            raise BadRequestError("return_logprob is not supported by this server.", param="return_logprob")
         paths = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path]
         if any(paths):
             raise BadRequestError("LoRA adapters are not supported by this server.", param="lora_path")
+
+
+    def logprob_options(self, n_prompts: int) -> list[tuple[bool, int, int]]:
+        """(return_logprob, logprob_start_len, top_logprobs_num) per prompt; a list field must
+        have one entry per prompt."""
+        def per_prompt(value: Any, default: Any, name: str) -> list[Any]:
+            if isinstance(value, list):
+                if len(value) != n_prompts:
+                    raise BadRequestError(f"{name} has {len(value)} entries for {n_prompts} prompts.", param=name)
+                return [default if v is None else v for v in value]
+            return [default if value is None else value] * n_prompts
+
+        out = []
+        for ret, start, top in zip(per_prompt(self.return_logprob, False, "return_logprob"),
+                                   per_prompt(self.logprob_start_len, -1, "logprob_start_len"),
+                                   per_prompt(self.top_logprobs_num, 0, "top_logprobs_num")):
+            if start < -1:
+                raise BadRequestError(f"logprob_start_len must be -1 (output only) or a prompt position, "
+                                      f"got {start}.", param="logprob_start_len")
+            out.append((bool(ret), start, check_top_logprobs(top, "top_logprobs_num")))
+        return out
 
 
 class AbortReqInput(_Strict):
@@ -232,14 +260,20 @@ class _OpenAISampling(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _check_supported(self) -> None:
-        for name in ("regex", "json_schema", "ebnf", "stop_regex", "lora_path"):
+        for name in ("stop_regex", "lora_path"):
             if getattr(self, name):
                 raise BadRequestError(f"{name} is not supported by this server.", param=name)
-        if self.logit_bias:
-            raise BadRequestError("logit_bias is not supported by this server.", param="logit_bias")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequestError("Only response_format {'type': 'text'} is supported.",
-                                  param="response_format")
+
+    def _constraint(self) -> dict[str, str]:
+        """json_schema / regex / ebnf for SamplingParams, from response_format or the SGLang extras."""
+        fields = constraint_fields({"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf})
+        schema = response_format_schema(self.response_format)
+        if schema is not None:
+            if fields:
+                raise BadRequestError(f"response_format cannot be combined with {next(iter(fields))}.",
+                                      param="response_format")
+            fields = {"json_schema": schema}
+        return fields
 
     def _sampling_params(self, max_new_tokens: Optional[int]) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
@@ -254,7 +288,8 @@ class _OpenAISampling(_Strict):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
-            n=self.n, sampling_seed=self.seed)
+            n=self.n, sampling_seed=self.seed, logit_bias=parse_logit_bias(self.logit_bias),
+            **self._constraint())
 
 
 def _positive_or_none(value: Optional[int], name: str) -> Optional[int]:
@@ -273,10 +308,7 @@ class CompletionRequest(_OpenAISampling):
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_supported()
-        if self.echo:
-            raise BadRequestError("echo is not supported by this server.", param="echo")
-        if self.logprobs is not None:
-            raise BadRequestError("logprobs is not supported by this server.", param="logprobs")
+        check_top_logprobs(self.logprobs, "logprobs")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise BadRequestError("best_of must equal n (no best-of sampling).", param="best_of")
         if self.suffix:
@@ -322,8 +354,9 @@ class ChatCompletionRequest(_OpenAISampling):
         self._check_supported()
         if not self.messages:
             raise BadRequestError("Messages cannot be empty.", param="messages")
-        if self.logprobs or self.top_logprobs:
-            raise BadRequestError("logprobs is not supported by this server.", param="logprobs")
+        check_top_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.tools:
             raise BadRequestError("tools are not supported by this server.", param="tools")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -365,7 +398,7 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
     matched_stop: Union[int, str, None] = None
 
@@ -399,7 +432,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
     matched_stop: Union[int, str, None] = None
 
@@ -417,7 +450,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: dict[str, str]  # {"role", "content"} first, then {"content"}, then {} with finish_reason
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
     matched_stop: Union[int, str, None] = None
 

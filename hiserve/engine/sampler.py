@@ -12,8 +12,17 @@ Semantics (SGLang-compatible):
   the output) and penalty × (token appeared in the output);
 - min_new_tokens: while the output is shorter, EOS (unless `ignore_eos`) and the request's
   `stop_token_ids` get -inf;
+- logit_bias (OpenAI): an additive bias per (row, token id), after the penalties;
+- grammar mask: tokens an xgrammar matcher forbids get -inf (`vocab_mask`, a packed
+  bitmask built by `hiserve.engine.grammar`);
 - top-k, then top-p over the renormalized survivors, then min-p relative to the largest
   probability; all three share one sort.
+
+Logprobs (`sample_and_logprobs`) are the log-softmax of the logits after penalties,
+logit_bias, the grammar mask and temperature, before top-k/top-p/min-p truncation: the
+distribution the sampler draws from, as OpenAI defines logprobs "of the sampling
+distribution"; it is also what SGLang returns by default. Greedy rows use temperature 1,
+so their logprobs are those of the (penalized, biased) model distribution.
 """
 
 from __future__ import annotations
@@ -60,6 +69,11 @@ class SamplingBatchInfo:
         min_tokens_rows / min_tokens_ids: [K] int64 pairs (row, token) to set to -inf, or None.
         generators: one entry per row, a generator for seeded sampled rows, else None.
         seeded_rows: indices of rows with a generator.
+        logit_bias_rows / logit_bias_ids / logit_bias_values: [K] int64, int64, float32
+            triples (row, token, bias) added to the logits, or None.
+        vocab_mask: [B, ceil(V'/32)] int32 packed allowed-token bitmask (bit t % 32 of word
+            t // 32; V' may be below V, tokens past it are forbidden), or None (set by the
+            caller after `from_reqs`, see `hiserve.engine.grammar`).
     """
 
     vocab_size: int
@@ -81,6 +95,10 @@ class SamplingBatchInfo:
     min_tokens_ids: Optional[torch.Tensor] = None
     generators: list[Optional[torch.Generator]] = field(default_factory=list)
     seeded_rows: list[int] = field(default_factory=list)
+    logit_bias_rows: Optional[torch.Tensor] = None
+    logit_bias_ids: Optional[torch.Tensor] = None
+    logit_bias_values: Optional[torch.Tensor] = None
+    vocab_mask: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -195,6 +213,19 @@ class SamplingBatchInfo:
             info.min_tokens_rows = as_tensor(rows, torch.int64)
             info.min_tokens_ids = as_tensor(ids, torch.int64)
 
+        # logit_bias: sparse (row, token, bias) triples, added with one scatter.
+        rows, ids, values = [], [], []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                if 0 <= int(token) < vocab_size:
+                    rows.append(i)
+                    ids.append(int(token))
+                    values.append(float(bias))
+        if rows:
+            info.logit_bias_rows = as_tensor(rows, torch.int64)
+            info.logit_bias_ids = as_tensor(ids, torch.int64)
+            info.logit_bias_values = as_tensor(values, torch.float32)
+
         # Seeded rows: a generator per row, seeded from (seed, output position).
         info.generators = [None] * bs
         for i, p in enumerate(params):
@@ -223,6 +254,33 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
                                     and info.output_counts is None) else logits
         logits[info.min_tokens_rows, info.min_tokens_ids] = float("-inf")
     return logits
+
+
+def apply_logit_bias_and_mask(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Return `logits` [B, V] with logit_bias added and grammar-forbidden tokens at -inf
+    (a new tensor when either applies; `logits` itself otherwise)."""
+    if info.logit_bias_rows is not None:
+        logits = logits.index_put((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values,
+                                  accumulate=True)
+    if info.vocab_mask is not None:
+        allowed = unpack_bitmask(info.vocab_mask, logits.shape[-1])
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        if bool(dead.any()):
+            # min_new_tokens banned the only tokens the grammar allows (its stop token): the
+            # grammar wins, uniformly over what it allows, rather than a NaN distribution.
+            logits = torch.where(dead & allowed, torch.zeros_like(logits), logits)
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, W] int32 packed bitmask -> [B, vocab] bool (columns past W*32 are False)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    pad = torch.zeros(bits.shape[0], vocab - bits.shape[1], dtype=torch.bool, device=bits.device)
+    return torch.cat([bits, pad], dim=1)
 
 
 def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,11 +321,34 @@ class Sampler:
         Returns:
             [B] int64 token ids.
         """
+        return self.sample_and_logprobs(logits, info)[0]
+
+    def sample_and_logprobs(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                            logprob_rows: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sample next tokens and, for `logprob_rows`, the log-probabilities they were drawn from.
+
+        Args:
+            logits: [B, V] logits of the last position of each request (cast to float32).
+            info: this batch's SamplingBatchInfo.
+            logprob_rows: [R] int64 rows whose logprobs are wanted, or None for none.
+
+        Returns:
+            ([B] int64 token ids, [R, V] float32 logprobs or None). The logprobs are
+            log_softmax((logits after penalties, logit_bias, grammar mask) / temperature),
+            before top-k/top-p/min-p (see the module docstring); forbidden tokens are -inf.
+        """
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
             raise ValueError(f"logits must be [B={info.batch_size}, V], got {tuple(logits.shape)}")
         if logits.dtype != torch.float32:
             logits = logits.float()
-        logits = apply_penalties(logits, info)
+        logits = apply_logit_bias_and_mask(apply_penalties(logits, info), info)
+        logprobs = None
+        if logprob_rows is not None and logprob_rows.numel():
+            logprobs = torch.log_softmax(logits[logprob_rows] / info.temperatures[logprob_rows], dim=-1)
+        return self._draw(logits, info), logprobs
+
+    def _draw(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         if info.is_all_greedy:
             return logits.argmax(dim=-1)
 

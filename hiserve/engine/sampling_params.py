@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _GREEDY_TEMPERATURE = 1e-6
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no cap; this bounds the per-step scatter
 
 
 @dataclass
@@ -35,6 +36,12 @@ class SamplingParams:
     n: int = 1
     sampling_seed: Optional[int] = None
     stream_interval: Optional[int] = None
+    # token id -> additive bias in [-100, 100], applied to the logits before sampling.
+    logit_bias: Optional[dict[int, float]] = None
+    # Constrained decoding (xgrammar); at most one of the three is set.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +51,15 @@ class SamplingParams:
             self.stop_strs = [self.stop] if self.stop else []
         else:
             self.stop_strs = [s for s in self.stop if s]
+
+    @property
+    def grammar_key(self) -> Optional[tuple[str, str]]:
+        """(kind, source) of the request's grammar constraint, or None when unconstrained."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -85,3 +101,17 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad}.")
+        if self.logit_bias:
+            self._verify_logit_bias(vocab_size)
+        if sum(v is not None for v in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("json_schema, regex and ebnf are exclusive: set at most one of them.")
+
+    def _verify_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias accepts at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(self.logit_bias)}.")
+        for token, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}.")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}.")

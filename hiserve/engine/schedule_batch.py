@@ -40,11 +40,35 @@ class Req:
         self.stop_strs = sampling_params.stop_strs
         self._max_stop_chars = max((len(s) for s in self.stop_strs), default=0)
 
+        # Logprobs (set by `hiserve.engine.logprobs.init_req_logprobs`; see that module).
+        self.return_logprob = False
+        self.top_logprobs_num = 0
+        self.input_logprob_next = 0  # first prompt position whose logprob is still owed; 0 = none owed
+        self.input_token_logprobs: list[tuple[Optional[float], int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_logprobs_sent = False
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # An xgrammar GrammarMatcher when the request is constrained (created at its first step).
+        self.grammar: Any = None
+
     # ------------------------------------------------------------------ lengths
     @property
     def seqlen(self) -> int:
         """Tokens of the sequence so far (prompt + output)."""
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    def prefix_match_len(self) -> int:
+        """How many leading tokens of `fill_ids` may come from the prefix cache.
+
+        The last token is always recomputed (its logits pick the next token). A request that
+        still owes prompt logprobs from position s matches at most s - 1 tokens, so the
+        prefill computes the logits at positions s - 1 .. len - 2 that give them.
+        """
+        limit = len(self.fill_ids) - 1
+        if self.input_logprob_next > 0:
+            limit = min(limit, self.input_logprob_next - 1)
+        return max(0, limit)
 
     def init_next_round_input(self) -> None:
         """Start (or restart, after retraction) the prefill of prompt + output so far."""
@@ -63,6 +87,10 @@ class Req:
         last = self.output_ids[-1]
         past_min = n_out >= self.sampling_params.min_new_tokens
         if past_min and last in self.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            # The grammar accepted its stop token (or, with ignore_eos, nothing more fits).
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if past_min and self.stop_strs:
@@ -101,6 +129,10 @@ class ScheduleBatch:
     chunked_req: Optional[Req] = None  # the request whose prompt is not finished after this pass
     # The load-back this batch reads (a LoadTicket), waited for per layer during its forward only.
     load_ticket: Any = None
+    # Prompt logprobs (EXTEND only, see hiserve.engine.logprobs): per request, the local rows
+    # of its extended tokens whose logits are wanted, and the logits the pass returned for them.
+    input_logprob_rows: Optional[list[range]] = None
+    input_logits: Optional[torch.Tensor] = None  # [sum of rows, V] float32
 
     @property
     def batch_size(self) -> int:

@@ -26,6 +26,7 @@ from hiserve.engine.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from hiserve.engine.logprobs import init_req_logprobs, record_input_logprobs, request_options
 from hiserve.engine.model_runner import ModelRunner
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
@@ -139,6 +140,7 @@ class Scheduler(SchedulerOutputMixin):
         room = min(self.context_len, self.max_total_num_tokens - self.page_size) - n_in
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         req = Req(recv.rid, list(recv.input_ids), sp, recv.stream, max_new, self.eos_token_ids)
+        init_req_logprobs(req, *request_options(recv))
         error = None
         if n_in == 0:
             error = "The input is empty."
@@ -232,7 +234,7 @@ class Scheduler(SchedulerOutputMixin):
             if adder.new_chunked_req is not None:
                 break
             req.init_next_round_input()
-            self.kv.match(req)
+            self.kv.match(req, req.prefix_match_len())
             if self._shares_uncached_prefix(req, adder.can_run):
                 continue  # next round it hits the prefix this batch inserts, instead of recomputing it
             if adder.add_one_req(req) != AddResult.CONTINUE:
@@ -326,6 +328,7 @@ class Scheduler(SchedulerOutputMixin):
             self.process_decode_result(batch, logits)
 
     def process_prefill_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        record_input_logprobs(batch)
         done = [i for i, r in enumerate(batch.reqs) if r is not batch.chunked_req]
         if done:
             next_ids = self.model_runner.sample(logits[done], [batch.reqs[i] for i in done],

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from hiserve.engine.io_struct import BatchTokenIDOut, SchedulerStats
+from hiserve.engine.logprobs import logprob_chunk
 from hiserve.engine.schedule_batch import Req
 
 logger = logging.getLogger("hiserve.engine.scheduler")
@@ -28,6 +29,7 @@ class SchedulerOutputMixin:
                 if pending < step and req.sent_offset > 0:
                     continue
             out.rids.append(req.rid)
+            out.logprobs.append(logprob_chunk(req, req.sent_offset, n_report))
             out.new_output_ids.append(req.output_ids[req.sent_offset:n_report])
             req.sent_offset = n_report
             out.finished_reasons.append(req.finished_reason)

@@ -35,6 +35,7 @@ from hiserve.engine.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from hiserve.engine.logprobs_format import LogprobState
 from hiserve.engine.metrics import ServerMetrics
 from hiserve.engine.protocol import BadRequestError, ClientDisconnectedError, ServiceUnavailableError
 from hiserve.engine.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ class ReqState:
     __slots__ = ("rid", "parent_rid", "index", "stream", "stop_strs", "no_stop_trim", "event", "dirty",
                  "log_metrics", "detok", "shown", "final_text", "finish_reason", "prompt_tokens",
                  "completion_tokens", "cached_device", "cached_host", "created", "first_token_at",
-                 "last_token_at", "finished_at")
+                 "last_token_at", "finished_at", "logprobs")
 
     def __init__(self, req: TokenizedGenerateReqInput, parent_rid: str, index: int, tokenizer: Any,
                  event: asyncio.Event, log_metrics: bool):
@@ -80,6 +81,8 @@ class ReqState:
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
         self.finished_at: Optional[float] = None
+        self.logprobs = (LogprobState(tokenizer, req.top_logprobs_num, req.return_text_in_logprobs)
+                         if req.return_logprob else None)
 
     @property
     def finished(self) -> bool:
@@ -112,6 +115,8 @@ class ReqState:
         }
         if self.finished_at is not None:
             meta["e2e_latency"] = self.finished_at - self.created
+        if self.logprobs is not None:
+            meta.update(self.logprobs.meta_info())
         return meta
 
     def update(self, new_ids: list[int], finish_reason: Optional[dict[str, Any]], now: float) -> None:
@@ -389,6 +394,8 @@ class TokenizerManager:
         st.completion_tokens = out.completion_tokens[i]
         st.cached_device = out.cached_tokens_device[i]
         st.cached_host = out.cached_tokens_host[i]
+        if st.logprobs is not None and out.logprobs:
+            st.logprobs.add(out.logprobs[i])
         st.update(new_ids, out.finished_reasons[i], now)
         st.dirty = True
         if st.finished:

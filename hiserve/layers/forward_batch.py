@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -69,6 +69,10 @@ class ForwardBatch:
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool: "KVCache"
     attn_backend: Any
+    # Prompt logprobs: T-axis rows whose logits the logits processor also returns (in
+    # `input_logits`, [len(rows), V] float32); None for passes where no request asks.
+    input_logprob_rows: Optional[torch.Tensor] = None
+    input_logits: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,12 +13,19 @@ class LogitsProcessor(nn.Module):
     """Keeps the last new token of each request and applies the LM head.
 
     hidden_states: [T, H] (already final-normed); returns float32 [B, vocab].
+
+    When `forward_batch.input_logprob_rows` is set (an EXTEND pass where some request asked
+    for prompt logprobs), the logits of those T-axis rows are computed too and left in
+    `forward_batch.input_logits` [len(rows), vocab] float32; other requests pay nothing.
     """
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor | PackedLinear,
         forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        rows = forward_batch.input_logprob_rows
+        if rows is not None and forward_batch.forward_mode.is_extend():
+            forward_batch.input_logits = linear(hidden_states.index_select(0, rows), lm_head_weight).float()
         if forward_batch.forward_mode.is_extend() and hidden_states.shape[0] != forward_batch.batch_size:
             last, acc = [], 0
             for n in forward_batch.extend_seq_lens_cpu:

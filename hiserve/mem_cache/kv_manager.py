@@ -110,11 +110,13 @@ class KVManager:
 
     # ------------------------------------------------------------------ admission
 
-    def match(self, req: KVRequest) -> MatchResult:
-        """Match `req.fill_ids[:-1]` (the last token is always recomputed: its logits pick
-        the next token). Only for a request that holds no KV; nothing is locked yet."""
+    def match(self, req: KVRequest, max_len: int | None = None) -> MatchResult:
+        """Match `req.fill_ids[:max_len]` (default: all but the last token, which is always
+        recomputed: its logits pick the next token; a request owing prompt logprobs passes a
+        shorter limit). Only for a request that holds no KV; nothing is locked yet."""
         assert req.kv.row is None, "match() of a request that holds KV"
-        m = self.prefix_cache.match(req.fill_ids[:-1])
+        limit = len(req.fill_ids) - 1 if max_len is None else min(max_len, len(req.fill_ids) - 1)
+        m = self.prefix_cache.match(req.fill_ids[:limit])
         req.kv.match = m
         req.kv.prefix_len = m.device_len
         return m

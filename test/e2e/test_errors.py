@@ -66,7 +66,7 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": []}, "prompt"),
     (COMPLETIONS, {"prompt": [1, -5]}, "prompt"),
     (COMPLETIONS, {"prompt": "Hi", "stop": 3}, "stop"),
-    (COMPLETIONS, {"prompt": "Hi", "logprobs": 1}, "logprobs"),
+    (COMPLETIONS, {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens"),
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ("/generate", {"text": "Hi", "sampling_params": {"temperature": -1}}, "temperature"),

@@ -61,8 +61,10 @@ def test_openai_mapping():
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "regex": "a+"}, "regex"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "regex": "(a+"}, "regex"),
+    ({"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
 ])
 def test_completion_refusals(body: dict, param: str):
     req = CompletionRequest.model_validate(body)
