@@ -30,11 +30,15 @@ _DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 def create_attention_backend(name: str, runner: "ModelRunner") -> AttentionBackend:
-    """Instantiate one backend by its flag value (torch_native, triton or fa3).
+    """Instantiate one backend by its flag value (cpu_paged, torch_native, triton or fa3).
 
     Raises:
         ValueError: unknown name, or the backend cannot run this model here (its message says why).
     """
+    if name == "cpu_paged":
+        from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
+
+        return CpuPagedAttnBackend(runner)
     if name == "torch_native":
         from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 

@@ -210,3 +210,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     load_cpu_module().silu_and_mul(x, out, torch.get_num_threads())
     return out
+
+
+def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether a layer should call these kernels for `tensors`: all CPU, one dtype among
+    float32/bfloat16, no autograd (the kernels have no backward), and the module loads."""
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES or torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+        return False
+    return can_use_cpu_kernels()
