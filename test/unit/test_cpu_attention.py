@@ -1,6 +1,7 @@
 """The cpu_paged attention backend (C++ paged kernel over the pool) against the torch_native
 oracle, on real pools with shuffled pages: page sizes 1/16/64, GQA ratios 1/3/8, ragged
-batches, prefill, chunked prefill after a cached prefix, mixed EXTEND batches, decode, and
+batches, prefill, chunked prefill after a cached prefix (paged kernel, and gather + SDPA for
+long chunks), mixed EXTEND batches, decode, and
 contexts from 1 to 4096 tokens (the latter exercise the flash-decoding split), in float32
 and bfloat16. Skipped (not failed) only where the kernels cannot be built, which the
 backend then reports with one warning and covers with torch_native."""
@@ -13,6 +14,7 @@ from paged_pools import Pools, assert_close_rel
 
 from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.attention import cpu_backend
 from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardMode
@@ -61,13 +63,18 @@ def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("page_size", [1, 64])
-def test_long_contexts_split_and_merge(page_size, dtype):
-    """Contexts 4096 / 1000 / 300: the decode kernel splits them over threads and merges."""
+@pytest.mark.parametrize("page_size, paged_chunk", [(1, False), (64, True)])
+def test_long_contexts_split_and_merge(monkeypatch, page_size, paged_chunk, dtype):
+    """Contexts 4096 / 1000 / 300: the decode kernel splits them over threads and merges.
+    The 1095-token chunk over a 3000-token prefix goes through gather + SDPA by default
+    (above PAGED_EXTEND_MAX_NEW_TOKENS), and through the paged kernel when the limit is lifted."""
+    if paged_chunk:
+        monkeypatch.setattr(cpu_backend, "PAGED_EXTEND_MAX_NEW_TOKENS", 1 << 20)
     c = Case(page_size=page_size, group=3, dtype=dtype, pool_tokens=5632)
     c.step(EXTEND, {"long": 3000, "mid": 999, "short": 299})
-    c.step(EXTEND, {"long": 1095})  # a 1095-token chunk over a 3000-token cached prefix
-    c.step(DECODE, {"long": 1, "mid": 1, "short": 1})
+    c.step(EXTEND, {"long": 1095, "mid": 1, "new": 40})  # long chunk, short chunk, fresh prompt
+    assert (len(c.backend._meta.gathered) == 1) != paged_chunk
+    c.step(DECODE, {"long": 1, "mid": 1, "short": 1, "new": 1})
     assert c.pools.lens["long"] == 4096
     c.step(DECODE, {"long": 1, "mid": 1, "short": 1})
 

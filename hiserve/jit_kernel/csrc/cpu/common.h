@@ -52,6 +52,27 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) 
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// exp(x) for x <= 0-ish softmax arguments, vectorisable (no libm call): x = n ln2 + r with
+// |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n built
+// in the exponent bits. x is clamped to [-87, 88], so exp(-inf) gives ~1.6e-38, not 0:
+// callers keep masked entries out of the sums themselves.
+inline float fast_exp(float x) {
+  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 inline void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("hiserve cpu kernel: " + what);
 }

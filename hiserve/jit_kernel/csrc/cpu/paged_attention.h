@@ -109,39 +109,46 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   }
   for (int64_t t0 = k_begin; t0 < k_end; t0 += kKeyTile) {
     const int64_t kt = std::min(kKeyTile, k_end - t0);
+    // K tile transposed to [D, kKeyTile] (zero past kt), so scores of one row are
+    // kKeyTile-wide FMAs over d: no horizontal sums per key.
     for (int64_t j = 0; j < kt; ++j) {
       const int64_t slot = slots[t0 + j];
-      load_row(k_buf + slot * s.k_slot_stride + it.kv_head * D, &w.k[j * D], D);
+      const T* kj = k_buf + slot * s.k_slot_stride + it.kv_head * D;
+      for (int64_t d = 0; d < D; ++d) w.k[d * kKeyTile + j] = to_float(kj[d]);
       load_row(v_buf + slot * s.v_slot_stride + it.kv_head * Dv, &w.v[j * Dv], Dv);
     }
+    if (kt < kKeyTile)
+      for (int64_t d = 0; d < D; ++d) std::fill(&w.k[d * kKeyTile + kt], &w.k[(d + 1) * kKeyTile], 0.f);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(kt, prefix + i0 + r / G + 1 - t0);  // causal limit
       if (visible <= 0) continue;
-      const float* qr = &w.q[r * D];
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) {
-        const float* kj = &w.k[j * D];
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
-        w.p[j] = dot;
-        tile_max = std::max(tile_max, dot);
+      const float* __restrict qr = &w.q[r * D];
+      float* __restrict sc = w.p.data();
+      for (int64_t j = 0; j < kKeyTile; ++j) sc[j] = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qr[d];
+        const float* __restrict kd = &w.k[d * kKeyTile];
+#pragma omp simd
+        for (int64_t j = 0; j < kKeyTile; ++j) sc[j] += qd * kd[j];
       }
+      float tile_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
       const float m_new = std::max(m[r], tile_max);
-      const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
+      const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - m_new);
       float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < visible; ++j) {
-        w.p[j] = std::exp(w.p[j] - m_new);
-        sum += w.p[j];
+        sc[j] = fast_exp(sc[j] - m_new);
+        sum += sc[j];
       }
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
-      float* ar = acc + r * Dv;
+      float* __restrict ar = acc + r * Dv;
 #pragma omp simd
       for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
       for (int64_t j = 0; j < visible; ++j) {
-        const float pj = w.p[j];
-        const float* vj = &w.v[j * Dv];
+        const float pj = sc[j];
+        const float* __restrict vj = &w.v[j * Dv];
 #pragma omp simd
         for (int64_t d = 0; d < Dv; ++d) ar[d] += pj * vj[d];
       }
@@ -167,7 +174,7 @@ void merge_splits(const AttnItem& first, const AttnShape& s, const int64_t* q_st
     for (int64_t sp = 0; sp < first.num_splits; ++sp) {
       const float* st = states + sp * state_size;
       if (st[r] == -std::numeric_limits<float>::infinity()) continue;  // split saw no key of this row
-      const float wgt = std::exp(st[r] - M);
+      const float wgt = fast_exp(st[r] - M);
       L += st[rows + r] * wgt;
       const float* acc = st + 2 * rows + r * Dv;
       for (int64_t d = 0; d < Dv; ++d) o[d] += acc[d] * wgt;
