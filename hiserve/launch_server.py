@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     logger.info("server_args: %s", server_args)
+    if server_args.device == "cpu":  # resolve() chose these before logging was configured
+        from hiserve.hardware import detect_cpu
+
+        logger.info("CPU: %s -> --dtype %s, attention prefill %s / decode %s", detect_cpu().describe(),
+                    server_args.dtype, server_args.prefill_attention_backend, server_args.decode_attention_backend)
     return launch_server(server_args)
 
 
