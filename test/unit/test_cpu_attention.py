@@ -111,3 +111,16 @@ def test_kernel_rejects_bad_arguments():
         cpu_kernels.paged_attention(torch.zeros(1, 128), k, k, r2t.long(), one, one, starts, 2, 1.0)
     with pytest.raises(ValueError, match="num_q_heads"):
         cpu_kernels.paged_attention(torch.zeros(1, 128), k, k, r2t, one, one, starts, 3, 1.0)
+
+
+def test_kernel_rejects_inconsistent_lengths():
+    """Checked in C++ before any memory is read: a seq_len past req_to_token's width, fewer
+    context tokens than new ones, a request row out of range, q_starts past q."""
+    k = torch.zeros(8, 2, 64)
+    r2t = torch.zeros(2, 8, dtype=torch.int32)
+    q = torch.zeros(1, 128)
+    row, starts = torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1])
+    for idx, lens, st in ((row, torch.tensor([9]), starts), (row, torch.tensor([0]), starts),
+                          (torch.tensor([2]), torch.tensor([1]), starts), (row, torch.tensor([2]), torch.tensor([0, 2]))):
+        with pytest.raises(Exception, match="new tokens|out of range|past q"):
+            cpu_kernels.paged_attention(q, k, k, r2t, idx, lens, st, 2, 1.0)

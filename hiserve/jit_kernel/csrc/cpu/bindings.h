@@ -56,8 +56,13 @@ void paged_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k_buf, tvm::ff
   require(req_to_token.dtype().bits == 32 && req_to_token.stride(1) == 1, "req_to_token must be int32, rows contiguous");
   require(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads");
   require(k_buf.size(1) == num_kv_heads && v_buf.size(1) == num_kv_heads, "pool head count mismatch");
+  require(q_starts.size(0) == req_pool_indices.size(0) + 1 && seq_lens.size(0) == req_pool_indices.size(0),
+          "q_starts must be [B + 1], seq_lens [B]");
   AttnShape s{req_pool_indices.size(0), num_q_heads, num_kv_heads, k_buf.size(2), v_buf.size(2), q.stride(0),
-              k_buf.stride(0), v_buf.stride(0), req_to_token.stride(0), static_cast<float>(scale)};
+              k_buf.stride(0), v_buf.stride(0), req_to_token.stride(0), req_to_token.size(0), req_to_token.size(1),
+              static_cast<float>(scale)};
+  require(q_starts.data_ptr() != nullptr && (s.num_reqs == 0 || ptr<int64_t>(q_starts)[s.num_reqs] <= q.size(0)),
+          "q_starts runs past q's rows");
   const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
   if (bf)
     paged_attention<bf16>(s, ptr<bf16>(q), ptr<bf16>(k_buf), ptr<bf16>(v_buf), ptr<bf16>(out),

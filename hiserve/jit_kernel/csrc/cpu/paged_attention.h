@@ -40,16 +40,20 @@ struct AttnShape {
   int64_t q_row_stride;     // elements between consecutive tokens of q (heads are contiguous)
   int64_t k_slot_stride, v_slot_stride;  // elements between consecutive pool slots
   int64_t r2t_row_stride;   // elements between rows of req_to_token
+  int64_t r2t_rows, r2t_cols;  // req_to_token's shape (its slot values are trusted: the allocator's)
   float scale;
 };
 
 // Split count per (request, query block, KV head): enough items to keep every thread busy
 // (4 per thread for balance), never a split shorter than kMinSplitKeys.
-inline std::vector<AttnItem> plan_items(const AttnShape& s, const int64_t* seq_lens, const int64_t* q_starts,
-                                        int num_threads) {
+inline std::vector<AttnItem> plan_items(const AttnShape& s, const int64_t* req_pool_indices, const int64_t* seq_lens,
+                                        const int64_t* q_starts, int num_threads) {
   int64_t groups = 0, max_kv = 0;
   for (int64_t b = 0; b < s.num_reqs; ++b) {
     const int64_t n = q_starts[b + 1] - q_starts[b];
+    require(n >= 1 && seq_lens[b] >= n && seq_lens[b] <= s.r2t_cols,
+            "each request needs 1 <= new tokens <= seq_len <= req_to_token's width");
+    require(req_pool_indices[b] >= 0 && req_pool_indices[b] < s.r2t_rows, "req_pool_indices out of range");
     groups += (n + kQueryBlock - 1) / kQueryBlock * s.num_kv_heads;
     max_kv = std::max(max_kv, seq_lens[b]);
   }
@@ -191,7 +195,7 @@ template <typename T>
 void paged_attention(const AttnShape& s, const T* q, const T* k_buf, const T* v_buf, T* out,
                      const int32_t* req_to_token, const int64_t* req_pool_indices, const int64_t* seq_lens,
                      const int64_t* q_starts, int num_threads) {
-  const std::vector<AttnItem> items = plan_items(s, seq_lens, q_starts, num_threads);
+  const std::vector<AttnItem> items = plan_items(s, req_pool_indices, seq_lens, q_starts, num_threads);
   const int64_t G = s.num_q_heads / s.num_kv_heads;
   const int64_t state_size = kQueryBlock * G * (2 + s.v_head_dim);
   std::vector<float> states(items.size() * state_size);
