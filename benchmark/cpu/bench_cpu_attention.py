@@ -15,6 +15,7 @@ timed with three variants, one call of each per round, so machine noise hits all
 
     python benchmark/cpu/bench_cpu_attention.py               # ~5 minutes on 2 cores
     python benchmark/cpu/bench_cpu_attention.py --dtype float32 --batch-sizes 1 --contexts 256
+    python benchmark/cpu/bench_cpu_attention.py --threads 1   # a machine shared with other jobs
 
 Prints a table; writes benchmark/results/<name>.json (lscpu model and flags, date, command,
 settings, every sample's median). Noisy machines: re-run on a quiet one before quoting.
@@ -23,6 +24,7 @@ settings, every sample's median). Noisy machines: re-run on a quiet one before q
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -45,7 +47,7 @@ from common import (  # noqa: E402
 )
 
 from hiserve.engine.model_runner import ModelRunner  # noqa: E402
-from hiserve.hardware import detect_cpu  # noqa: E402
+from hiserve.hardware import detect_cpu, usable_cpu_count  # noqa: E402
 from hiserve.jit_kernel import cpu as cpu_kernels  # noqa: E402
 from hiserve.layers.attention.base import RadixAttention  # noqa: E402
 from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend  # noqa: E402
@@ -131,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch/OpenMP threads (default: hardware.usable_cpu_count(), as the server uses); "
+                        "1 on an oversubscribed machine, where a descheduled thread stalls every OpenMP barrier")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "results"))
     p.add_argument("--name", default="cpu_attention")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or usable_cpu_count())
     if not cpu_kernels.can_use_cpu_kernels():
         print("the CPU kernels cannot be built here: nothing to compare", file=sys.stderr)
         return 1
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     record = base_record(torch.device("cpu"), args)
     record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),
+                  load_average=os.getloadavg(),
                   model=server_args.model_path, dtype=server_args.dtype, results=rows)
     write_record(record, args.out_dir, args.name)
     return 0

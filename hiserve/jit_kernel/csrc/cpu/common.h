@@ -73,6 +73,11 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// Below this many elements (or multiply-adds) a loop runs on the calling thread, as
+// at::parallel_for does below its grain size: a parallel region costs microseconds and
+// waits for every thread, which a decode step's many small ops cannot repay.
+constexpr int64_t kGrainSize = 32768;
+
 inline void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("hiserve cpu kernel: " + what);
 }

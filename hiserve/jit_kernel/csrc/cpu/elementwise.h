@@ -18,7 +18,7 @@ namespace cpu {
 template <typename T>
 void rmsnorm(const T* x, int64_t x_stride, const T* residual, const T* weight, T* out, T* new_residual,
              int64_t tokens, int64_t hidden, float eps, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (tokens * hidden >= kGrainSize)
   {
     std::vector<float> row(hidden);
 #pragma omp for schedule(static)
@@ -52,7 +52,7 @@ template <typename T>
 void rotary(const T* x, int64_t x_stride, const float* cos, const float* sin, int64_t cs_stride, T* out,
             int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim, bool neox, int num_threads) {
   const int64_t half = rotary_dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * head_dim >= kGrainSize)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* c = cos + t * cs_stride;
     const float* s = sin + t * cs_stride;
@@ -74,7 +74,7 @@ void rotary(const T* x, int64_t x_stride, const float* cos, const float* sin, in
 // rounded to T first as F.silu(gate) * up does.
 template <typename T>
 void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t tokens, int64_t inter, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * inter >= kGrainSize)
   for (int64_t t = 0; t < tokens; ++t) {
     const T* g = x + t * x_stride;
     const T* u = g + inter;

@@ -195,12 +195,17 @@ template <typename T>
 void paged_attention(const AttnShape& s, const T* q, const T* k_buf, const T* v_buf, T* out,
                      const int32_t* req_to_token, const int64_t* req_pool_indices, const int64_t* seq_lens,
                      const int64_t* q_starts, int num_threads) {
+  int64_t macs = 0;  // upper bound of the multiply-adds (causal halves it for long chunks)
+  for (int64_t b = 0; b < s.num_reqs; ++b)
+    macs += (q_starts[b + 1] - q_starts[b]) * seq_lens[b] * s.num_q_heads * (s.head_dim + s.v_head_dim);
+  if (macs < 8 * kGrainSize) num_threads = 1;
+  const bool parallel = num_threads > 1;
   const std::vector<AttnItem> items = plan_items(s, req_pool_indices, seq_lens, q_starts, num_threads);
   const int64_t G = s.num_q_heads / s.num_kv_heads;
   const int64_t state_size = kQueryBlock * G * (2 + s.v_head_dim);
   std::vector<float> states(items.size() * state_size);
   const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (parallel)
   {
     Scratch w{std::vector<float>(kQueryBlock * G * s.head_dim), std::vector<float>(kKeyTile * s.head_dim),
               std::vector<float>(kKeyTile * s.v_head_dim), std::vector<float>(kKeyTile)};
