@@ -30,6 +30,7 @@ constexpr int64_t kQueryBlock = 16;    // queries of one request per work item (
 constexpr int64_t kKeyTile = 64;       // keys converted to float and scored together
 constexpr int64_t kMinSplitKeys = 256; // a split shorter than this costs more to merge than it saves
 constexpr int64_t kMaxSplits = 32;
+constexpr int64_t kTransposeMinRows = 8;  // rows of an item from which the K tile is transposed
 
 struct AttnItem {
   int64_t req, q_block, kv_head, split, num_splits;
@@ -111,6 +112,9 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
       for (int64_t d = 0; d < D; ++d) dst[d] *= s.scale;
     }
   }
+  // Few rows (DECODE: one query per head of the group) cannot repay transposing the K tile;
+  // they take one dot product per key instead.
+  const bool transposed = rows >= kTransposeMinRows;
   for (int64_t t0 = k_begin; t0 < k_end; t0 += kKeyTile) {
     const int64_t kt = std::min(kKeyTile, k_end - t0);
     // K tile transposed to [D, kKeyTile] (zero past kt), so scores of one row are
@@ -118,22 +122,35 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
     for (int64_t j = 0; j < kt; ++j) {
       const int64_t slot = slots[t0 + j];
       const T* kj = k_buf + slot * s.k_slot_stride + it.kv_head * D;
-      for (int64_t d = 0; d < D; ++d) w.k[d * kKeyTile + j] = to_float(kj[d]);
+      if (transposed)
+        for (int64_t d = 0; d < D; ++d) w.k[d * kKeyTile + j] = to_float(kj[d]);
+      else
+        load_row(kj, &w.k[j * D], D);
       load_row(v_buf + slot * s.v_slot_stride + it.kv_head * Dv, &w.v[j * Dv], Dv);
     }
-    if (kt < kKeyTile)
+    if (transposed && kt < kKeyTile)
       for (int64_t d = 0; d < D; ++d) std::fill(&w.k[d * kKeyTile + kt], &w.k[(d + 1) * kKeyTile], 0.f);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(kt, prefix + i0 + r / G + 1 - t0);  // causal limit
       if (visible <= 0) continue;
       const float* __restrict qr = &w.q[r * D];
       float* __restrict sc = w.p.data();
-      for (int64_t j = 0; j < kKeyTile; ++j) sc[j] = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qr[d];
-        const float* __restrict kd = &w.k[d * kKeyTile];
+      if (transposed) {
+        for (int64_t j = 0; j < kKeyTile; ++j) sc[j] = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qr[d];
+          const float* __restrict kd = &w.k[d * kKeyTile];
 #pragma omp simd
-        for (int64_t j = 0; j < kKeyTile; ++j) sc[j] += qd * kd[j];
+          for (int64_t j = 0; j < kKeyTile; ++j) sc[j] += qd * kd[j];
+        }
+      } else {
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* __restrict kj = &w.k[j * D];
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
+          sc[j] = dot;
+        }
       }
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
