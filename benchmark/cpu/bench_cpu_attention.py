@@ -15,7 +15,7 @@ timed with three variants, one call of each per round, so machine noise hits all
 
     python benchmark/cpu/bench_cpu_attention.py               # ~5 minutes on 2 cores
     python benchmark/cpu/bench_cpu_attention.py --dtype float32 --batch-sizes 1 --contexts 256
-    python benchmark/cpu/bench_cpu_attention.py --threads 1   # a machine shared with other jobs
+    python benchmark/cpu/bench_cpu_attention.py --threads 1 --clock cpu   # a machine shared with other jobs
 
 Prints a table; writes benchmark/results/<name>.json (lscpu model and flags, date, command,
 settings, every sample's median). Noisy machines: re-run on a quiet one before quoting.
@@ -63,8 +63,9 @@ def lscpu() -> dict[str, str]:
     return {k.strip(): fields[k].strip() for k in fields if k.strip() in ("Model name", "Flags", "CPU(s)")}
 
 
-def interleaved_medians(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, float]:
-    """Median ms per variant; each round calls every variant once, in a rotating order."""
+def interleaved_medians(fns: dict[str, Callable[[], Any]], reps: int, clock: Callable[[], float],
+                        warmup: int = 1) -> dict[str, float]:
+    """Median ms per variant by `clock`; each round calls every variant once, in a rotating order."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -72,9 +73,9 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], reps: int, warmup: in
     names = list(fns)
     for r in range(reps):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
+            samples[name].append((clock() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -82,7 +83,7 @@ def attention_layers(model: torch.nn.Module) -> list[RadixAttention]:
     return [m for m in model.modules() if isinstance(m, RadixAttention)]
 
 
-def bench_config(runner: ModelRunner, bs: int, ctx: int, reps: int) -> dict[str, Any]:
+def bench_config(runner: ModelRunner, bs: int, ctx: int, reps: int, clock: Callable[[], float]) -> dict[str, Any]:
     db = make_decode_batch(runner, bs, ctx)
     try:
         fb = runner.make_forward_batch(db.batch)
@@ -103,7 +104,7 @@ def bench_config(runner: ModelRunner, bs: int, ctx: int, reps: int) -> dict[str,
                         backend.forward(q, k, v, layer, fb)
             return run
 
-        attn_ms = interleaved_medians({n: attn(b) for n, b in backends.items()}, reps)
+        attn_ms = interleaved_medians({n: attn(b) for n, b in backends.items()}, reps, clock)
         attn_ms = {n: ms / len(layers) for n, ms in attn_ms.items()}
 
         def step(backend, small_op_kernels: bool) -> Callable[[], None]:
@@ -118,7 +119,7 @@ def bench_config(runner: ModelRunner, bs: int, ctx: int, reps: int) -> dict[str,
 
         step_ms = interleaved_medians({"baseline": step(backends["torch_native"], False),
                                        "torch_native+kernels": step(backends["torch_native"], True),
-                                       "cpu_paged": step(backends["cpu_paged"], True)}, reps)
+                                       "cpu_paged": step(backends["cpu_paged"], True)}, reps, clock)
     finally:
         release_decode_batch(runner, db)
     return {"batch_size": bs, "context": ctx, "attention_ms_per_layer": attn_ms, "decode_step_ms": step_ms,
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch/OpenMP threads (default: hardware.usable_cpu_count(), as the server uses); "
                         "1 on an oversubscribed machine, where a descheduled thread stalls every OpenMP barrier")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter; cpu: this process's CPU time (time.process_time), which "
+                        "leaves out time spent descheduled on a machine shared with other jobs; use with --threads 1")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "results"))
     p.add_argument("--name", default="cpu_attention")
     args = p.parse_args(argv)
@@ -149,22 +153,22 @@ def main(argv: list[str] | None = None) -> int:
                                       max_running_requests=max(args.batch_sizes), page_size=1)
     runner = ModelRunner(server_args)
     fill_kv_pool(runner)
-    rows = []
+    record = base_record(torch.device("cpu"), args)
+    record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),
+                  model=server_args.model_path, dtype=server_args.dtype, results=[])
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for bs in args.batch_sizes:
         for ctx in args.contexts:
-            rows.append(bench_config(runner, bs, ctx, args.reps))
-            r = rows[-1]
+            r = bench_config(runner, bs, ctx, args.reps, clock)
             print(f"bs {bs:3d} ctx {ctx:5d} | attention/layer ms: torch_native {r['attention_ms_per_layer']['torch_native']:7.3f}"
                   f" cpu_paged {r['attention_ms_per_layer']['cpu_paged']:7.3f} (x{r['attention_speedup']:.2f})"
                   f" | step ms: baseline {r['decode_step_ms']['baseline']:7.2f}"
                   f" torch_native+kernels {r['decode_step_ms']['torch_native+kernels']:7.2f}"
                   f" cpu_paged {r['decode_step_ms']['cpu_paged']:7.2f} (x{r['step_speedup_vs_baseline']:.2f})",
                   flush=True)
-    record = base_record(torch.device("cpu"), args)
-    record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),
-                  load_average=os.getloadavg(),
-                  model=server_args.model_path, dtype=server_args.dtype, results=rows)
-    write_record(record, args.out_dir, args.name)
+            record["results"].append(r)
+            record["load_average"] = os.getloadavg()
+            write_record(record, args.out_dir, args.name)  # after every row: a cut-short run keeps its rows
     return 0
 
 
