@@ -72,3 +72,19 @@ def test_cpu_dtype_auto_follows_features(features, dtype, caplog):
 def test_cpu_paged_needs_the_cpu():
     with pytest.raises(ValueError, match="CPU only"):
         ServerArgs(device="cuda", attention_backend="cpu_paged").resolve(platform=Platform("cuda", (9, 0)))
+
+
+def test_unbuildable_kernels_warn_once_and_fall_back(monkeypatch, caplog):
+    from hiserve.jit_kernel import utils
+
+    monkeypatch.setenv("HISERVE_CPU_KERNELS", "0")
+    cpu_kernels.cpu_kernels_unavailable_reason.cache_clear()
+    monkeypatch.setattr(utils, "_warned", set())
+    try:
+        caplog.set_level("WARNING")
+        assert not cpu_kernels.can_use_cpu_kernels() and not cpu_kernels.can_use_cpu_kernels()
+        warnings = [r for r in caplog.records if "CPU kernels unavailable" in r.getMessage()]
+        assert len(warnings) == 1 and "HISERVE_CPU_KERNELS=0" in warnings[0].getMessage()
+    finally:
+        monkeypatch.delenv("HISERVE_CPU_KERNELS")
+        cpu_kernels.cpu_kernels_unavailable_reason.cache_clear()
