@@ -180,3 +180,12 @@ def detect_platform(mla_head_dims: tuple[int, int] | None = None) -> Platform:
 
     triton = importlib.util.find_spec("triton") is not None
     return Platform("cuda", (int(capability[0]), int(capability[1])), importable, mla, triton, detect_cpu())
+
+
+def cpu_compute_threads() -> tuple[int, str]:
+    """Threads for the engine's CPU compute and why: OMP_NUM_THREADS when the user set it (a
+    positive integer), else `usable_cpu_count()`."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    return usable_cpu_count(), "CPU affinity and cgroup quota"

@@ -35,14 +35,11 @@ _WARMUP_TIMEOUT_S = 600.0
 
 
 def scheduler_threads() -> tuple[int, str]:
-    """Compute threads for the scheduler process and why: OMP_NUM_THREADS when set (a
-    positive integer), else `hardware.usable_cpu_count()`."""
-    from hiserve.hardware import usable_cpu_count
+    """Compute threads for the scheduler process and why (`hardware.cpu_compute_threads`),
+    read before this process sets its own OMP_NUM_THREADS to 1."""
+    from hiserve.hardware import cpu_compute_threads
 
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env), "OMP_NUM_THREADS"
-    return usable_cpu_count(), "CPU affinity and cgroup quota"
+    return cpu_compute_threads()
 
 
 def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArgs, writer: Any) -> None:

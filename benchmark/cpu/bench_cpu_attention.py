@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                                       attention_backend="cpu_paged", max_total_tokens=tokens,
                                       max_running_requests=max(args.batch_sizes), page_size=1)
     runner = ModelRunner(server_args)
+    torch.set_num_threads(args.threads or usable_cpu_count())  # after ModelRunner, which sets its own
     fill_kv_pool(runner)
     record = base_record(torch.device("cpu"), args)
     record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),

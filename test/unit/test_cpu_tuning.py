@@ -55,7 +55,7 @@ def test_scheduler_threads_follow_omp_num_threads_else_usable_cores(monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch_server.scheduler_threads() == (3, "OMP_NUM_THREADS")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(hardware, "usable_cpu_count", lambda: 5)
+    monkeypatch.setattr(hardware, "usable_cpu_count", lambda: 5)  # read through cpu_compute_threads
     assert launch_server.scheduler_threads()[0] == 5
 
 
