@@ -7,6 +7,11 @@
 
 The scheduler process is killed whenever this process leaves, normally or by SIGTERM /
 SIGINT. If it dies first, requests fail with 503 instead of waiting forever.
+
+Threads: the scheduler process computes on `scheduler_threads()` torch/OpenMP threads (the
+cores it may use: its affinity, capped by a cgroup v2 cpu.max quota; or OMP_NUM_THREADS when
+the user set it). This (API) process only tokenizes and serves HTTP, so its torch/OpenMP
+pools are held at one thread, leaving the cores to the scheduler's compute threads.
 """
 
 from __future__ import annotations
@@ -27,6 +32,34 @@ logger = logging.getLogger("hiserve.launch_server")
 
 _WARMUP_PROMPT = "The capital city of France is"
 _WARMUP_TIMEOUT_S = 600.0
+
+
+def scheduler_threads() -> tuple[int, str]:
+    """Compute threads for the scheduler process and why (`hardware.cpu_compute_threads`),
+    read before this process sets its own OMP_NUM_THREADS to 1."""
+    from hiserve.hardware import cpu_compute_threads
+
+    return cpu_compute_threads()
+
+
+def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArgs, writer: Any) -> None:
+    """Scheduler process entry: size torch's and OpenMP's thread pools before torch loads."""
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    import torch
+
+    torch.set_num_threads(num_threads)
+    from hiserve.engine.scheduler import run_scheduler_process
+
+    run_scheduler_process(server_args, port_args, writer)
+
+
+def _limit_api_threads() -> None:
+    """One torch/OpenMP thread in this process: its work is tokenizing and HTTP."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def _wait_for_scheduler(proc: mp.Process, reader: Any) -> Any:
@@ -118,14 +151,16 @@ async def _serve(app: Any, tm: Any, server_args: ServerArgs, proc: mp.Process) -
 def launch_server(server_args: ServerArgs) -> int:
     """Start everything and serve until stopped; the exit status."""
     from hiserve.engine.http_server import create_app
-    from hiserve.engine.scheduler import run_scheduler_process
     from hiserve.engine.tokenizer_manager import TokenizerManager
     from hiserve.models.loader import get_tokenizer
 
     port_args = PortArgs.init_new()
     spawn = mp.get_context("spawn")
     reader, writer = spawn.Pipe(duplex=False)
-    proc = spawn.Process(target=run_scheduler_process, args=(server_args, port_args, writer),
+    threads, why = scheduler_threads()
+    logger.info("Scheduler compute threads: %d (%s); API process: 1", threads, why)
+    _limit_api_threads()  # before the spawn too: the child starts from this environment
+    proc = spawn.Process(target=_run_scheduler, args=(threads, server_args, port_args, writer),
                          name="hiserve-scheduler")
     start = time.monotonic()
     proc.start()
@@ -157,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     logger.info("server_args: %s", server_args)
+    if server_args.device == "cpu":  # resolve() chose these before logging was configured
+        from hiserve.hardware import detect_cpu
+
+        logger.info("CPU: %s -> --dtype %s, attention prefill %s / decode %s", detect_cpu().describe(),
+                    server_args.dtype, server_args.prefill_attention_backend, server_args.decode_attention_backend)
     return launch_server(server_args)
 
 

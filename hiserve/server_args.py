@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("torch_native", "triton", "fa3")
+ATTENTION_BACKENDS = ("cpu_paged", "torch_native", "triton", "fa3")
 _GPU_ATTENTION_BACKENDS = ("triton", "fa3")
+_CPU_ATTENTION_BACKENDS = ("cpu_paged",)
 _FA3_DTYPES = ("bfloat16", "float16")
 _CUDA_DEFAULT_CUDA_GRAPH_MAX_BS = 160
 HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -100,10 +101,13 @@ class ServerArgs:
         choices=("fcfs", "lpm"))
     disable_radix_cache: bool = _arg(False, "Disable prefix caching.")
     attention_backend: Optional[str] = _arg(
-        None, "Attention kernels: torch_native (CPU and CUDA; the reference), triton (CUDA), fa3 "
+        None, "Attention kernels: cpu_paged (CPU: C++ kernels reading K/V in place from the paged pool, "
+        "compiled at first use for the CPU's ISA, any x86-64; named for what it does rather than SGLang's "
+        "intel_amx, since it needs no AMX; falls back to torch_native with a warning when it cannot be "
+        "built), torch_native (CPU and CUDA; the reference), triton (CUDA), fa3 "
         "(FlashAttention-3, Hopper only; pip install tokenspeed-fa3). Default: fa3 on Hopper when "
         "importable (for an MLA model: when its FA3 passes its MLA trial), else triton on CUDA, "
-        "torch_native on CPU.",
+        "cpu_paged on CPU.",
         choices=ATTENTION_BACKENDS)
     prefill_attention_backend: Optional[str] = _arg(
         None, "Attention kernels of prefill (EXTEND) passes; default: --attention-backend.",
@@ -188,8 +192,13 @@ class ServerArgs:
         if self.device == "cuda" and platform.device_type != "cuda":
             raise ValueError("--device cuda was given but no CUDA device is available")
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" or _cpu_has_bf16() else "float32"
-            logger.info("--dtype auto -> %s", self.dtype)
+            if self.device == "cuda":
+                self.dtype, why = "bfloat16", "CUDA"
+            elif platform.cpu.has_native_bf16:
+                self.dtype, why = "bfloat16", "CPU with native bf16 dot products (AVX512-BF16/AMX)"
+            else:  # without them bf16 matmuls convert every element: float32 is faster
+                self.dtype, why = "float32", "CPU without AVX512-BF16/AMX"
+            logger.info("--dtype auto -> %s (%s: %s)", self.dtype, why, platform.cpu.describe())
 
         self._resolve_quantization()
 
@@ -262,10 +271,10 @@ class ServerArgs:
     def _detect_platform(self) -> "Platform":
         import torch  # deferred: `--help` must not pay for importing torch
 
-        from hiserve.hardware import Platform, detect_platform
+        from hiserve.hardware import Platform, detect_cpu, detect_platform
 
         if self.device == "cpu":  # asks nothing of a GPU, so do not initialise CUDA for it
-            return Platform("cpu")
+            return Platform("cpu", cpu=detect_cpu())
         mla_dims = None
         fa3_wanted = self.attention_backend is None or "fa3" in (
             self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend)
@@ -302,7 +311,7 @@ class ServerArgs:
         --prefill/--decode-attention-backend default to --attention-backend."""
         if self.attention_backend is None:
             if self.device != "cuda":
-                self.attention_backend, why = "torch_native", "CPU"
+                self.attention_backend, why = "cpu_paged", f"CPU: {platform.cpu.describe()}"
             else:
                 blocker = self._fa3_blocker(platform)
                 if blocker is None:
@@ -317,6 +326,8 @@ class ServerArgs:
                  ("--prefill-attention-backend", self.prefill_attention_backend),
                  ("--decode-attention-backend", self.decode_attention_backend))
         for flag, value in flags:
+            if value in _CPU_ATTENTION_BACKENDS and self.device != "cpu":
+                raise ValueError(f"{flag} {value} runs on the CPU only, but --device is {self.device}")
             if value in _GPU_ATTENTION_BACKENDS and self.device != "cuda":
                 raise ValueError(f"{flag} {value} needs CUDA, but --device is {self.device}; "
                                  f"use {flag} torch_native")
@@ -354,16 +365,6 @@ class ServerArgs:
             return
         # Mixture-of-experts layers need no rule: while a graph is captured they run densely,
         # without reading the routing back to the host (hiserve/layers/moe.py).
-
-
-def _cpu_has_bf16() -> bool:
-    """bfloat16 matmuls are fast only on CPUs with native bf16 dot products (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,11 +29,15 @@ _DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 def create_attention_backend(name: str, runner: "ModelRunner") -> AttentionBackend:
-    """Instantiate one backend by its flag value (torch_native, triton or fa3).
+    """Instantiate one backend by its flag value (cpu_paged, torch_native, triton or fa3).
 
     Raises:
         ValueError: unknown name, or the backend cannot run this model here (its message says why).
     """
+    if name == "cpu_paged":
+        from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
+
+        return CpuPagedAttnBackend(runner)
     if name == "torch_native":
         from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 
@@ -84,8 +87,10 @@ class ModelRunner:
         self.dtype = _DTYPES[server_args.dtype]
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, os.cpu_count() or 1))
+        if self.device.type == "cpu":  # the cores this process may use, not the machine's
+            from hiserve.hardware import cpu_compute_threads
+
+            torch.set_num_threads(cpu_compute_threads()[0])
 
         if model is None:
             model = load_model(server_args.model_path, self.dtype, self.device, load_format=server_args.load_format,

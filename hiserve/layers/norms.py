@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers import triton_ops
 
 
@@ -21,7 +22,8 @@ class RMSNorm(nn.Module):
 
     `forward(x, residual)` first adds `residual` to `x` and returns the sum as
     the new residual stream, so a decoder layer needs no separate add.
-    On CUDA both forms are one Triton kernel (hiserve.layers.triton_ops.rmsnorm).
+    On CUDA both forms are one Triton kernel (hiserve.layers.triton_ops.rmsnorm), on the
+    CPU one C++ pass (hiserve.jit_kernel.cpu.rmsnorm) when it builds, else the torch form.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
@@ -36,6 +38,9 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return k.rmsnorm(x, self.weight, self.eps)
             return k.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        if x.dim() == 2 and cpu_kernels.use_cpu_kernels(x, self.weight) and (
+                residual is None or residual.dtype == x.dtype):
+            return cpu_kernels.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return rmsnorm_reference(x, self.weight, self.eps)
         x = x + residual

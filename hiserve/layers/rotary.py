@@ -2,6 +2,8 @@
 
 The first `rotary_dim` channels of each head are split in two halves (x1, x2)
 and rotated by angle pos * inv_freq[i]:  (x1*cos - x2*sin, x2*cos + x1*sin).
+The interleaved (GPT-J) form pairs channels (2i, 2i+1) instead; `rotary_reference` and the
+CPU kernel take both, the models here use NeoX.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers import triton_ops
 
 
@@ -50,12 +53,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
 
 
-def rotary_reference(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary_dim: int) -> torch.Tensor:
-    """The torch form of `RotaryEmbedding.apply` (CPU path, and the fused kernel's reference):
-    x [T, heads, head_dim], cos/sin [T, 1, rotary_dim // 2] float32 -> rotated copy, x's dtype."""
+def rotary_reference(
+    x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary_dim: int, is_neox: bool = True
+) -> torch.Tensor:
+    """The torch form of `RotaryEmbedding.apply` (CPU fallback, and the fused kernels' reference):
+    x [T, heads, head_dim], cos/sin [T, 1, rotary_dim // 2] float32 -> rotated copy, x's dtype.
+    is_neox=False: the interleaved form (pairs 2i, 2i+1)."""
     cos, sin = cos_sin
     half = rotary_dim // 2
     xf = x.float()
+    if not is_neox:
+        x1, x2 = xf[..., 0:rotary_dim:2], xf[..., 1:rotary_dim:2]
+        rot = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([rot, xf[..., rotary_dim:]], dim=-1).to(x.dtype)
     x1 = xf[..., :half]
     x2 = xf[..., half:rotary_dim]
     parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
@@ -98,11 +108,15 @@ class RotaryEmbedding(nn.Module):
         """x [T, heads, head_dim] (any dtype) -> rotated copy, same dtype/shape.
 
         On CUDA one Triton kernel for all heads (q and k together when the caller passes
-        them as one view); elsewhere `rotary_reference`."""
+        them as one view); on the CPU one C++ pass (hiserve.jit_kernel.cpu.rotary) when it
+        builds; elsewhere `rotary_reference`."""
         if triton_ops.use_triton(x):
             from hiserve.layers.triton_ops.rotary import rotary_embedding
 
             return rotary_embedding(x, cos_sin[0], cos_sin[1], self.rotary_dim)
+        if (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos_sin[0].stride(-1) == 1
+                and cpu_kernels.use_cpu_kernels(x)):
+            return cpu_kernels.rotary(x, cos_sin[0], cos_sin[1], self.rotary_dim)
         return rotary_reference(x, cos_sin, self.rotary_dim)
 
     def forward(

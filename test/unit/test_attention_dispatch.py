@@ -13,6 +13,7 @@ from hiserve.engine.cuda_graph_runner import capture_batch_sizes
 from hiserve.engine.model_runner import ModelRunner
 from hiserve.hardware import Platform
 from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
 from hiserve.layers.attention.hybrid_backend import HybridAttnBackend
 from hiserve.layers.attention.mla import MLAAttention
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
@@ -103,6 +104,6 @@ def test_model_runner_on_cpu_has_no_graphs(tmp_path):
     args = ServerArgs(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
                       max_running_requests=4).resolve(platform=Platform("cpu"))
     runner = ModelRunner(args, model=(LlamaForCausalLM(config, torch.float32), config))
-    assert isinstance(runner.attn_backend, TorchNativeAttnBackend)
+    assert isinstance(runner.attn_backend, CpuPagedAttnBackend)  # the CPU default
     assert runner.cuda_graph_runner is None
     assert runner.req_to_token_pool.padding_row == 4

@@ -90,7 +90,7 @@ def test_fa3_decode_with_kernel_io_on_this_machine(llama):
 
 # ------------------------------------------------------------------ defaults per platform
 @pytest.mark.parametrize("platform, model, dtype, expected", [
-    (CPU, "llama", "auto", "torch_native"),
+    (CPU, "llama", "auto", "cpu_paged"),
     (HOPPER_FA3, "llama", "auto", "fa3"),
     (HOPPER_FA3, "llama", "float16", "fa3"),
     (HOPPER_FA3, "llama", "float32", "triton"),  # FA3 has no float32 kernels

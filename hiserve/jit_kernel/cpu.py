@@ -1,0 +1,223 @@
+"""Build, cache and call the JIT CPU kernels under `jit_kernel/csrc/cpu/`.
+
+The C++ sources are compiled with apache-tvm-ffi (`tvm_ffi.cpp.load_inline`, g++ + ninja,
+OpenMP) the first time a kernel is needed, once per machine ISA tier: the compile flags are
+chosen from the CPU's features (`hiserve.hardware.detect_cpu().isa`), never `-march=native`,
+so a shared build cache (`TVM_FFI_CACHE_DIR`) never hands one CPU's build to another that
+lacks its instructions. The module name holds a hash of the sources and the tier.
+
+`can_use_cpu_kernels()` answers whether they can run here and logs ONE warning with the
+reason the first time it says no (no tvm-ffi, no compiler or ninja, a failed build); the
+callers then use their torch forms. HISERVE_CPU_KERNELS=0 turns the kernels off.
+
+The wrappers take torch CPU tensors, check what the C++ side assumes (raising ValueError),
+allocate the outputs and run on `torch.get_num_threads()` OpenMP threads (the same libgomp
+torch loads, so both share one thread pool).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from hiserve.hardware import detect_cpu
+from hiserve.jit_kernel.utils import _ensure_ninja_on_path, _import_tvm_ffi, warn_once
+
+logger = logging.getLogger(__name__)
+
+CPU_CSRC_DIR = Path(__file__).resolve().parent / "csrc" / "cpu"
+CPU_FUNCTIONS = {
+    "paged_attention": "paged (DECODE/EXTEND) causal attention over the KV pool through req_to_token",
+    "rmsnorm": "RMSNorm with an optional fused residual add",
+    "rotary": "rotary embedding, NeoX or interleaved, partial rotary_dim",
+    "silu_and_mul": "silu(gate) * up",
+}
+# Explicit -m flags per tier (see CpuInfo.isa). prefer-vector-width=512: gcc otherwise keeps
+# 256-bit vectors on AVX-512 targets, halving the width of the kernels' inner loops.
+ISA_FLAGS = {
+    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512bf16", "-mprefer-vector-width=512"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+               "-mprefer-vector-width=512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "baseline": [],
+}
+_DTYPES = (torch.float32, torch.bfloat16)
+_build_lock = threading.Lock()
+
+
+def cpu_csrc_digest() -> str:
+    """Hash of the CPU sources (part of the module name, so an edit gives a new build)."""
+    digest = hashlib.sha256()
+    for path in sorted(CPU_CSRC_DIR.glob("*")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels_unavailable_reason() -> str | None:
+    """Why the CPU kernels cannot be built or loaded here, or None when they are loaded."""
+    if os.environ.get("HISERVE_CPU_KERNELS", "1") == "0":
+        return "HISERVE_CPU_KERNELS=0"
+    try:
+        _import_tvm_ffi()
+    except Exception as exc:
+        return f"apache-tvm-ffi is not importable ({type(exc).__name__}: {exc}); pip install apache-tvm-ffi"
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        return "no C++ compiler (c++/g++) on PATH"
+    if not _ensure_ninja_on_path():
+        return "ninja was not found on PATH (pip install ninja)"
+    try:
+        load_cpu_module()
+    except Exception as exc:  # a compiler error: its text is in the exception
+        return f"the build failed ({type(exc).__name__}: {str(exc)[-2000:]})"
+    return None
+
+
+def can_use_cpu_kernels() -> bool:
+    """True when the CPU kernels are built and loaded; else warns once (with the reason)."""
+    reason = cpu_kernels_unavailable_reason()
+    if reason is not None:
+        warn_once("cpu_kernels", "hiserve CPU kernels unavailable (%s); using the torch forms", reason)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def load_cpu_module():
+    """Compile (first call) and load the CPU module for this CPU's ISA tier.
+
+    Raises:
+        RuntimeError / ImportError: tvm-ffi missing or the compiler failed.
+    """
+    tvm_ffi = _import_tvm_ffi()
+    cpu = detect_cpu()
+    isa = cpu.isa
+    digest = cpu_csrc_digest()
+    name = f"hiserve_cpu_{digest}_{isa}"
+    source = f'// csrc/cpu digest {digest}\n#include "bindings.h"\n'
+    with _build_lock:
+        module = tvm_ffi.cpp.load_inline(
+            name=name,
+            cpp_sources=source,
+            functions=CPU_FUNCTIONS,
+            extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CPU_CSRC_DIR)],
+        )
+    logger.info("loaded JIT CPU module %s for %s", name, cpu.describe())
+    return module
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_float(*tensors: torch.Tensor) -> None:
+    dtype = tensors[0].dtype
+    _check(dtype in _DTYPES, f"CPU kernels run float32 or bfloat16, got {dtype}")
+    for t in tensors:
+        _check(t.device.type == "cpu", "CPU kernels need CPU tensors")
+        _check(t.dtype == dtype, f"dtype mismatch: {t.dtype} vs {dtype}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    num_q_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole context in the pool.
+
+    Args:
+        q: [T, Hq * D] (rows may be strided, e.g. a view of a fused QKV output).
+        k_buf, v_buf: pool layers [slots, Hkv, D] / [slots, Hkv, Dv], q's dtype.
+        req_to_token: [R, max_context] int32; row r lists request r's pool slots in order.
+        req_pool_indices, seq_lens: [B] int64; seq_lens counts the context incl. new tokens.
+        q_starts: [B + 1] int64 cumulative new-token counts (q rows of request b:
+            q_starts[b]:q_starts[b+1]); DECODE is q_starts = arange(B + 1).
+        num_q_heads: Hq (a multiple of Hkv); scale: the softmax scale.
+    Returns:
+        [T, Hq * Dv] in q's dtype.
+    Raises:
+        ValueError: dtypes, devices or shapes the kernel does not take.
+    """
+    _check_float(q, k_buf, v_buf)
+    _check(k_buf.dim() == 3 and v_buf.dim() == 3 and k_buf.is_contiguous() and v_buf.is_contiguous(),
+           "k_buf/v_buf must be contiguous [slots, heads, dim]")
+    _check(q.dim() == 2 and q.stride(1) == 1, "q must be [T, Hq * D] with contiguous rows")
+    _check(req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, "req_to_token must be int32")
+    for t in (req_pool_indices, seq_lens, q_starts):
+        _check(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu", "index tensors: int64 CPU")
+    _check(q_starts.numel() == seq_lens.numel() + 1 == req_pool_indices.numel() + 1, "q_starts must be [B + 1]")
+    _check(q.shape[1] == num_q_heads * k_buf.shape[2], "q width must be num_q_heads * head_dim")
+    out = q.new_empty((q.shape[0], num_q_heads * v_buf.shape[2]))
+    load_cpu_module().paged_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
+                                      num_q_heads, k_buf.shape[1], float(scale), torch.get_num_threads())
+    return out
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> RMSNorm(x) [T, H]; with residual [T, H]: (RMSNorm(x + residual), x + residual).
+    Rounds as `hiserve.layers.norms.rmsnorm_reference` does. Raises ValueError on bad input."""
+    _check_float(x, weight)
+    _check(x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],), "x must be [T, H], weight [H]")
+    w = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if residual is None:
+        load_cpu_module().rmsnorm(x, x, w, out, out, False, float(eps), torch.get_num_threads())
+        return out
+    _check_float(x, residual)
+    _check(residual.shape == x.shape, "residual must have x's shape")
+    new_residual = torch.empty(x.shape, dtype=x.dtype)
+    load_cpu_module().rmsnorm(x, residual.contiguous(), w, out, new_residual, True, float(eps),
+                              torch.get_num_threads())
+    return out, new_residual
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool = True) -> torch.Tensor:
+    """x [T, heads, head_dim] (heads contiguous), cos/sin [T, 1, rotary_dim // 2] float32 ->
+    rotated copy [T, heads, head_dim]. Raises ValueError on bad input."""
+    _check_float(x)
+    _check(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], "x must be [T, heads, head_dim]")
+    _check(cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos/sin must be float32")
+    _check(cos.shape[0] == x.shape[0] and cos.shape[-1] == rotary_dim // 2, "cos/sin must be [T, 1, rotary_dim // 2]")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    load_cpu_module().rotary(x, cos, sin, out, int(rotary_dim), bool(is_neox), torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]. Raises ValueError on bad input."""
+    _check_float(x)
+    _check(x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, "x must be [T, 2I]")
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    load_cpu_module().silu_and_mul(x, out, torch.get_num_threads())
+    return out
+
+
+def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether a layer should call these kernels for `tensors`: all CPU, one dtype among
+    float32/bfloat16, no autograd (the kernels have no backward), and the module loads."""
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES or torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+        return False
+    return can_use_cpu_kernels()

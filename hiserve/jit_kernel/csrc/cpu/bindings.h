@@ -1,0 +1,139 @@
+// Functions exported to Python through apache-tvm-ffi (built by hiserve/jit_kernel/cpu.py).
+// Python checks shapes, dtypes and devices first and raises ValueError; the checks here
+// only guard memory safety. Every tensor is a CPU tensor; float tensors are all float32 or
+// all bfloat16 (the dtype of the first argument picks the instantiation).
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+
+#include "elementwise.h"
+#include "paged_attention.h"
+
+namespace hiserve {
+namespace cpu {
+
+using tvm::ffi::TensorView;
+
+inline bool is_bf16(const TensorView& t) {
+  const DLDataType dt = t.dtype();
+  if (dt.code == kDLBfloat && dt.bits == 16) return true;
+  require(dt.code == kDLFloat && dt.bits == 32, "tensors must be float32 or bfloat16");
+  return false;
+}
+
+inline void same_dtype(const TensorView& a, const TensorView& b, const char* name) {
+  require(a.dtype().code == b.dtype().code && a.dtype().bits == b.dtype().bits,
+          std::string(name) + " must have the dtype of the first tensor");
+}
+
+inline void require_inner_contiguous(const TensorView& t, const char* name) {
+  require(t.stride(t.ndim() - 1) == 1, std::string(name) + " must be contiguous in its last dimension");
+}
+
+template <typename T>
+T* ptr(const TensorView& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+}  // namespace cpu
+}  // namespace hiserve
+
+// q [T, Hq * D] (row stride free), k_buf [slots, Hkv, D], v_buf [slots, Hkv, Dv], out [T, Hq * Dv]
+// contiguous; req_to_token [R, max_context] int32; req_pool_indices, seq_lens [B] int64;
+// q_starts [B + 1] int64 (cumulative new-token counts).
+void paged_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k_buf, tvm::ffi::TensorView v_buf,
+                     tvm::ffi::TensorView out, tvm::ffi::TensorView req_to_token,
+                     tvm::ffi::TensorView req_pool_indices, tvm::ffi::TensorView seq_lens,
+                     tvm::ffi::TensorView q_starts, int64_t num_q_heads, int64_t num_kv_heads, double scale,
+                     int64_t num_threads) {
+  using namespace hiserve::cpu;
+  const bool bf = is_bf16(q);
+  same_dtype(q, k_buf, "k_buf");
+  same_dtype(q, v_buf, "v_buf");
+  same_dtype(q, out, "out");
+  require_inner_contiguous(q, "q");
+  require(k_buf.IsContiguous() && v_buf.IsContiguous() && out.IsContiguous(), "pool buffers and out must be contiguous");
+  require(req_to_token.dtype().bits == 32 && req_to_token.stride(1) == 1, "req_to_token must be int32, rows contiguous");
+  require(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads");
+  require(k_buf.size(1) == num_kv_heads && v_buf.size(1) == num_kv_heads, "pool head count mismatch");
+  require(q_starts.size(0) == req_pool_indices.size(0) + 1 && seq_lens.size(0) == req_pool_indices.size(0),
+          "q_starts must be [B + 1], seq_lens [B]");
+  AttnShape s{req_pool_indices.size(0), num_q_heads, num_kv_heads, k_buf.size(2), v_buf.size(2), q.stride(0),
+              k_buf.stride(0), v_buf.stride(0), req_to_token.stride(0), req_to_token.size(0), req_to_token.size(1),
+              static_cast<float>(scale)};
+  require(q_starts.data_ptr() != nullptr && (s.num_reqs == 0 || ptr<int64_t>(q_starts)[s.num_reqs] <= q.size(0)),
+          "q_starts runs past q's rows");
+  const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
+  if (bf)
+    paged_attention<bf16>(s, ptr<bf16>(q), ptr<bf16>(k_buf), ptr<bf16>(v_buf), ptr<bf16>(out),
+                          ptr<int32_t>(req_to_token), ptr<int64_t>(req_pool_indices), ptr<int64_t>(seq_lens),
+                          ptr<int64_t>(q_starts), nt);
+  else
+    paged_attention<float>(s, ptr<float>(q), ptr<float>(k_buf), ptr<float>(v_buf), ptr<float>(out),
+                           ptr<int32_t>(req_to_token), ptr<int64_t>(req_pool_indices), ptr<int64_t>(seq_lens),
+                           ptr<int64_t>(q_starts), nt);
+}
+
+// x [T, H] (row stride free), weight [H], out [T, H]; with_residual: residual and new_residual
+// [T, H] contiguous (residual may alias new_residual).
+void rmsnorm(tvm::ffi::TensorView x, tvm::ffi::TensorView residual, tvm::ffi::TensorView weight,
+             tvm::ffi::TensorView out, tvm::ffi::TensorView new_residual, bool with_residual, double eps,
+             int64_t num_threads) {
+  using namespace hiserve::cpu;
+  const bool bf = is_bf16(x);
+  same_dtype(x, weight, "weight");
+  same_dtype(x, out, "out");
+  require_inner_contiguous(x, "x");
+  require(out.IsContiguous() && weight.IsContiguous(), "out and weight must be contiguous");
+  const int64_t T = x.size(0), H = x.size(1);
+  const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
+  if (with_residual) {
+    same_dtype(x, residual, "residual");
+    same_dtype(x, new_residual, "new_residual");
+    require(residual.IsContiguous() && new_residual.IsContiguous(), "residuals must be contiguous");
+  }
+  if (bf)
+    rmsnorm<bf16>(ptr<bf16>(x), x.stride(0), with_residual ? ptr<bf16>(residual) : nullptr, ptr<bf16>(weight),
+                  ptr<bf16>(out), with_residual ? ptr<bf16>(new_residual) : nullptr, T, H, static_cast<float>(eps), nt);
+  else
+    rmsnorm<float>(ptr<float>(x), x.stride(0), with_residual ? ptr<float>(residual) : nullptr, ptr<float>(weight),
+                   ptr<float>(out), with_residual ? ptr<float>(new_residual) : nullptr, T, H,
+                   static_cast<float>(eps), nt);
+}
+
+// x [T, heads, head_dim] (token stride free, heads contiguous); cos, sin [T, *, rotary_dim/2]
+// float32 sharing one token stride; out [T, heads, head_dim] contiguous.
+void rotary(tvm::ffi::TensorView x, tvm::ffi::TensorView cos, tvm::ffi::TensorView sin, tvm::ffi::TensorView out,
+            int64_t rotary_dim, bool neox, int64_t num_threads) {
+  using namespace hiserve::cpu;
+  const bool bf = is_bf16(x);
+  same_dtype(x, out, "out");
+  require(x.stride(2) == 1 && x.stride(1) == x.size(2), "x must have contiguous heads");
+  require(cos.dtype().code == kDLFloat && cos.dtype().bits == 32, "cos/sin must be float32");
+  require(cos.stride(0) == sin.stride(0) && cos.stride(cos.ndim() - 1) == 1 && sin.stride(sin.ndim() - 1) == 1,
+          "cos and sin must share a token stride and be contiguous per token");
+  const int64_t T = x.size(0), heads = x.size(1), hd = x.size(2);
+  require(rotary_dim % 2 == 0 && rotary_dim <= hd, "rotary_dim must be even and <= head_dim");
+  const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
+  if (bf)
+    rotary<bf16>(ptr<bf16>(x), x.stride(0), ptr<float>(cos), ptr<float>(sin), cos.stride(0), ptr<bf16>(out), T,
+                 heads, hd, rotary_dim, neox, nt);
+  else
+    rotary<float>(ptr<float>(x), x.stride(0), ptr<float>(cos), ptr<float>(sin), cos.stride(0), ptr<float>(out), T,
+                  heads, hd, rotary_dim, neox, nt);
+}
+
+// x [T, 2I] (row stride free) -> out [T, I] contiguous.
+void silu_and_mul(tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t num_threads) {
+  using namespace hiserve::cpu;
+  const bool bf = is_bf16(x);
+  same_dtype(x, out, "out");
+  require_inner_contiguous(x, "x");
+  const int64_t T = x.size(0), I = out.size(1);
+  require(x.size(1) == 2 * I, "x must be [T, 2 * I] for out [T, I]");
+  const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
+  if (bf)
+    silu_and_mul<bf16>(ptr<bf16>(x), x.stride(0), ptr<bf16>(out), T, I, nt);
+  else
+    silu_and_mul<float>(ptr<float>(x), x.stride(0), ptr<float>(out), T, I, nt);
+}

@@ -1,0 +1,86 @@
+// Scalar helpers shared by the CPU kernels: bf16 <-> float conversion and typed row loads.
+// Loops are written plainly so the compiler vectorises them for the ISA that
+// hiserve/jit_kernel/cpu.py picked from the CPU's features (-mavx512f..., -mavx2, or baseline).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace hiserve {
+namespace cpu {
+
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+template <>
+inline bf16 from_float<bf16>(float x) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept quiet).
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+// Round a float through T and back (the rounding a torch op in dtype T applies).
+template <typename T>
+inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// exp(x) for x <= 0-ish softmax arguments, vectorisable (no libm call): x = n ln2 + r with
+// |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n built
+// in the exponent bits. x is clamped to [-87, 88], so exp(-inf) gives ~1.6e-38, not 0:
+// callers keep masked entries out of the sums themselves.
+inline float fast_exp(float x) {
+  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Below this many elements (or multiply-adds) a loop runs on the calling thread, as
+// at::parallel_for does below its grain size: a parallel region costs microseconds and
+// waits for every thread, which a decode step's many small ops cannot repay.
+constexpr int64_t kGrainSize = 32768;
+
+inline void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("hiserve cpu kernel: " + what);
+}
+
+}  // namespace cpu
+}  // namespace hiserve

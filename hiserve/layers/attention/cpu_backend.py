@@ -1,0 +1,167 @@
+"""`cpu_paged`: attention on the CPU that reads K/V in place from the device pool.
+
+DECODE, and EXTEND requests with a cached prefix and at most `PAGED_EXTEND_MAX_NEW_TOKENS`
+new tokens, run one C++ kernel (`hiserve/jit_kernel/csrc/cpu/paged_attention.h`) over the
+pool through `req_to_token`: no per-request gathered copy, one pass over K/V per KV head for
+all its query heads (GQA), and a flash-decoding split of long contexts across threads. An
+EXTEND request without a cached prefix attends only over its own new tokens, which are the
+k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on them directly:
+GEMM-speed prefill, again without reading the pool back. A long chunk over a cached prefix
+(chunked prefill) is compute-bound, where SDPA's GEMMs beat the kernel's vector loops (2x
+at 2048 new tokens over 2048 cached on AVX-512) and the gathered copy is small beside the
+attention work, so it gathers its context and runs SDPA as torch_native does.
+
+When the kernels cannot be built here (no compiler, no apache-tvm-ffi; one warning is
+logged) or the pool's dtype is not float32/bfloat16, every pass runs `torch_native` (the
+oracle this backend is tested against). MLA models always run torch_native's MLA path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.attention.base import AttentionBackend, RadixAttention
+from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
+from hiserve.layers.forward_batch import ForwardBatch
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# Crossover measured with an A/B of the kernel against gather + SDPA (2048 cached tokens,
+# SmolLM2 head shapes, bf16, AVX512-BF16): the kernel wins at 32 and 128 new tokens, loses
+# at 512 and 2048.
+PAGED_EXTEND_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class _PagedMetadata:
+    """Kernel arguments of the requests it runs (all of a DECODE batch; the ones with a
+    cached prefix of an EXTEND batch)."""
+
+    req_pool_indices: torch.Tensor  # [B'] int64
+    seq_lens: torch.Tensor  # [B'] int64
+    q_starts: torch.Tensor  # [B' + 1] int64 offsets into the rows `q_rows` selects
+    q_rows: torch.Tensor | None  # [T'] rows of q for these requests; None: all rows in order
+
+
+@dataclass
+class _Metadata:
+    paged: _PagedMetadata | None
+    fresh: list[tuple[int, int]]  # (q_start, q_end) of EXTEND requests without a cached prefix
+    # (q_start, q_end, context slots [seq_len] int64, causal mask [n, seq_len]) of long chunks
+    # over a cached prefix
+    gathered: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+
+class CpuPagedAttnBackend(AttentionBackend):
+    """See the module docstring. Construction arguments (a model runner) are optional."""
+
+    def __init__(self, runner=None):
+        self._oracle = TorchNativeAttnBackend(runner)
+        cfg = getattr(runner, "model_config", None)
+        self._mla = bool(getattr(cfg, "kv_lora_rank", None))
+        self._meta: _Metadata | None = None
+        self._arange_cache: dict[int, torch.Tensor] = {}
+
+    def _kernel_ok(self, forward_batch: ForwardBatch) -> bool:
+        pool = forward_batch.token_to_kv_pool
+        return (not self._mla and getattr(pool, "dtype", None) in _KERNEL_DTYPES
+                and forward_batch.req_to_token_pool.req_to_token.dtype == torch.int32
+                and forward_batch.req_to_token_pool.req_to_token.device.type == "cpu"
+                and cpu_kernels.can_use_cpu_kernels())
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if not self._kernel_ok(forward_batch):
+            self._meta = None
+            self._oracle.init_forward_metadata(forward_batch)
+            return
+        idx = forward_batch.req_pool_indices.to("cpu", torch.int64)
+        lens = forward_batch.seq_lens.to("cpu", torch.int64)
+        if forward_batch.forward_mode.is_decode():
+            b = len(forward_batch.seq_lens_cpu)
+            starts = self._arange_cache.get(b)
+            if starts is None:
+                starts = self._arange_cache.setdefault(b, torch.arange(b + 1, dtype=torch.int64))
+            self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), [], [])
+            return
+        fresh, gathered, cached, rows, starts, q = [], [], [], [], [0], 0
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        for i, (n, prefix) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)):
+            if prefix == 0:
+                fresh.append((q, q + n))
+            elif n > PAGED_EXTEND_MAX_NEW_TOKENS:
+                slots = req_to_token[int(idx[i]), : prefix + n].long()
+                mask = torch.arange(prefix + n).view(1, -1) <= torch.arange(prefix, prefix + n).view(-1, 1)
+                gathered.append((q, q + n, slots, mask))
+            else:
+                cached.append(i)
+                rows.append(torch.arange(q, q + n))
+                starts.append(starts[-1] + n)
+            q += n
+        paged = None
+        if cached:
+            sel = torch.tensor(cached, dtype=torch.int64)
+            q_rows = None if not fresh and not gathered else torch.cat(rows)
+            paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
+        self._meta = _Metadata(paged, fresh, gathered)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        meta = self._meta
+        if meta is None:
+            return self._oracle.forward(q, k, v, layer, forward_batch, save_kv_cache)
+        t, pool = q.shape[0], forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
+                               k.view(t, layer.num_kv_heads, layer.head_dim),
+                               v.view(t, layer.num_kv_heads, layer.v_head_dim))
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        qk = q if q.dtype == k_buf.dtype else q.to(k_buf.dtype)
+        if meta.paged is not None and meta.paged.q_rows is None:  # DECODE, or every request paged
+            return self._paged(qk, k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
+        out = q.new_empty((t, layer.num_heads * layer.v_head_dim))
+        for start, end in meta.fresh:
+            out[start:end] = self._fresh(q[start:end], k[start:end], v[start:end], layer)
+        for start, end, slots, mask in meta.gathered:
+            out[start:end] = self._attend(q[start:end], k_buf.index_select(0, slots).flatten(1),
+                                          v_buf.index_select(0, slots).flatten(1), layer, mask)
+        if meta.paged is not None:
+            rows = meta.paged.q_rows
+            out[rows] = self._paged(qk[rows], k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
+        return out
+
+    def forward_mla(self, *args, **kwargs) -> torch.Tensor:
+        """MLA runs torch_native's path (see `TorchNativeAttnBackend.forward_mla`)."""
+        return self._oracle.forward_mla(*args, **kwargs)
+
+    @staticmethod
+    def _paged(q, k_buf, v_buf, layer: RadixAttention, forward_batch: ForwardBatch, m: _PagedMetadata):
+        return cpu_kernels.paged_attention(
+            q, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, m.req_pool_indices, m.seq_lens,
+            m.q_starts, layer.num_heads, layer.scaling)
+
+    @staticmethod
+    def _fresh(q, k, v, layer: RadixAttention) -> torch.Tensor:
+        """Causal attention of a request's new tokens over themselves: q [n, Hq*D], k/v [n, Hkv*D]."""
+        return CpuPagedAttnBackend._attend(q, k, v, layer, None)
+
+    @staticmethod
+    def _attend(q, k, v, layer: RadixAttention, mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA of q [n, Hq*D] over k/v [S, Hkv*D] ([S, Hkv*Dv]); mask [n, S] bool, or None
+        for causal with S == n."""
+        n, s, hq, hkv = q.shape[0], k.shape[0], layer.num_heads, layer.num_kv_heads
+        o = F.scaled_dot_product_attention(
+            q.reshape(n, hq, layer.head_dim).transpose(0, 1).unsqueeze(0),
+            k.reshape(s, hkv, layer.head_dim).transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.reshape(s, hkv, layer.v_head_dim).transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=hq != hkv)  # [1, Hq, n, Dv]
+        return o[0].transpose(0, 1).reshape(n, hq * layer.v_head_dim)

@@ -1,0 +1,126 @@
+"""The cpu_paged attention backend (C++ paged kernel over the pool) against the torch_native
+oracle, on real pools with shuffled pages: page sizes 1/16/64, GQA ratios 1/3/8, ragged
+batches, prefill, chunked prefill after a cached prefix (paged kernel, and gather + SDPA for
+long chunks), mixed EXTEND batches, decode, and
+contexts from 1 to 4096 tokens (the latter exercise the flash-decoding split), in float32
+and bfloat16. Skipped (not failed) only where the kernels cannot be built, which the
+backend then reports with one warning and covers with torch_native."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_pools import Pools, assert_close_rel
+
+from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.attention import cpu_backend
+from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
+from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
+from hiserve.layers.forward_batch import ForwardMode
+from hiserve.mem_cache.memory_pool import MHATokenToKVPool
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="CPU kernels cannot be built here")
+EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+class Case:
+    """One pool, one layer, both backends; `step` runs both on the same batch and compares."""
+
+    def __init__(self, *, page_size, group, dtype, hkv=2, head_dim=64, pool_tokens=4096, max_context=4608):
+        torch.manual_seed(page_size * 100 + group)
+        self.dtype, self.hkv, self.hq, self.d = dtype, hkv, hkv * group, head_dim
+        kv = MHATokenToKVPool(pool_tokens, page_size, dtype, hkv, head_dim, 1, "cpu")
+        self.pools = Pools(kv, max_reqs=8, max_context=max_context)
+        self.backend, self.oracle = CpuPagedAttnBackend(self.pools), TorchNativeAttnBackend()
+        self.layer = RadixAttention(self.hq, head_dim, head_dim ** -0.5, hkv, layer_id=0)
+
+    def step(self, mode: ForwardMode, new_lens: dict[str, int]) -> None:
+        fb = self.pools.batch(mode, new_lens, self.backend)
+        t = fb.out_cache_loc.numel()
+        q = torch.randn(t, self.hq * self.d).to(self.dtype)
+        k = torch.randn(t, self.hkv * self.d).to(self.dtype)
+        v = torch.randn(t, self.hkv * self.d).to(self.dtype)
+        self.backend.init_forward_metadata(fb)
+        assert self.backend._meta is not None, "the kernel path must run, not the fallback"
+        got = self.backend.forward(q, k, v, self.layer, fb)
+        self.oracle.init_forward_metadata(fb)
+        want = self.oracle.forward(q, k, v, self.layer, fb, save_kv_cache=False)
+        assert_close_rel(got, want, TOL[self.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group, dtype):
+    c = Case(page_size=page_size, group=group, dtype=dtype)
+    c.step(EXTEND, {"a": 1, "b": 37, "c": 130})  # fresh prompts (SDPA on the new k/v)
+    c.step(EXTEND, {"b": 21, "d": 5, "c": 1})  # cached prefixes (paged kernel) mixed with a fresh one
+    for _ in range(3):
+        c.step(DECODE, {"a": 1, "b": 1, "c": 1, "d": 1})
+    c.step(DECODE, {"e": 1, "a": 1})  # a context of 1 beside a longer one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size, paged_chunk", [(1, False), (64, True)])
+def test_long_contexts_split_and_merge(monkeypatch, page_size, paged_chunk, dtype):
+    """Contexts 4096 / 1000 / 300: the decode kernel splits them over threads and merges.
+    The 1095-token chunk over a 3000-token prefix goes through gather + SDPA by default
+    (above PAGED_EXTEND_MAX_NEW_TOKENS), and through the paged kernel when the limit is lifted."""
+    if paged_chunk:
+        monkeypatch.setattr(cpu_backend, "PAGED_EXTEND_MAX_NEW_TOKENS", 1 << 20)
+    c = Case(page_size=page_size, group=3, dtype=dtype, pool_tokens=5632)
+    c.step(EXTEND, {"long": 3000, "mid": 999, "short": 299})
+    c.step(EXTEND, {"long": 1095, "mid": 1, "new": 40})  # long chunk, short chunk, fresh prompt
+    assert (len(c.backend._meta.gathered) == 1) != paged_chunk
+    c.step(DECODE, {"long": 1, "mid": 1, "short": 1, "new": 1})
+    assert c.pools.lens["long"] == 4096
+    c.step(DECODE, {"long": 1, "mid": 1, "short": 1})
+
+
+def test_plan_splits_a_single_long_decode():
+    """One request, one KV head, 4096 keys: more than one split, each >= 256 keys (the merge
+    is then exercised), which the long-context test checks numerically."""
+    c = Case(page_size=16, group=8, dtype=torch.float32, hkv=1, pool_tokens=4352)
+    c.step(EXTEND, {"x": 4095})
+    c.step(DECODE, {"x": 1})
+
+
+def test_fallback_when_kernels_are_off(monkeypatch, caplog):
+    """No kernels: every pass is torch_native's, with the same results."""
+    monkeypatch.setattr(cpu_kernels, "can_use_cpu_kernels", lambda: False)
+    c = Case(page_size=16, group=3, dtype=torch.float32)
+    fb = c.pools.batch(EXTEND, {"a": 5}, c.backend)
+    c.backend.init_forward_metadata(fb)
+    assert c.backend._meta is None
+    q, k, v = torch.randn(5, c.hq * 64), torch.randn(5, c.hkv * 64), torch.randn(5, c.hkv * 64)
+    got = c.backend.forward(q, k, v, c.layer, fb)
+    c.oracle.init_forward_metadata(fb)
+    assert torch.equal(got, c.oracle.forward(q, k, v, c.layer, fb, save_kv_cache=False))
+
+
+def test_kernel_rejects_bad_arguments():
+    k = torch.zeros(8, 2, 64)
+    r2t = torch.zeros(2, 8, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int64)
+    starts = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.paged_attention(torch.zeros(1, 128, dtype=torch.float16), k, k, r2t, one, one, starts, 2, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_kernels.paged_attention(torch.zeros(1, 128), k, k, r2t.long(), one, one, starts, 2, 1.0)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        cpu_kernels.paged_attention(torch.zeros(1, 128), k, k, r2t, one, one, starts, 3, 1.0)
+
+
+def test_kernel_rejects_inconsistent_lengths():
+    """Checked in C++ before any memory is read: a seq_len past req_to_token's width, fewer
+    context tokens than new ones, a request row out of range, q_starts past q."""
+    k = torch.zeros(8, 2, 64)
+    r2t = torch.zeros(2, 8, dtype=torch.int32)
+    q = torch.zeros(1, 128)
+    row, starts = torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1])
+    for idx, lens, st in ((row, torch.tensor([9]), starts), (row, torch.tensor([0]), starts),
+                          (torch.tensor([2]), torch.tensor([1]), starts), (row, torch.tensor([2]), torch.tensor([0, 2]))):
+        with pytest.raises(Exception, match="new tokens|out of range|past q"):
+            cpu_kernels.paged_attention(q, k, k, r2t, idx, lens, st, 2, 1.0)

@@ -1,0 +1,94 @@
+"""The CPU kernels for RMSNorm (+ residual), rotary (NeoX, interleaved, partial) and SiLU-and-mul
+against their torch forms in hiserve/layers, float32 and bfloat16, and the layers' dispatch to
+them. The kernels round where the torch forms round, so bf16 results agree to within one bf16
+rounding of the final value (the kernel multiplies in float32 and rounds once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.activations import SiluAndMul, silu_and_mul_reference
+from hiserve.layers.norms import RMSNorm, rmsnorm_reference
+from hiserve.layers.rotary import RotaryEmbedding, rotary_reference
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="CPU kernels cannot be built here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # one bf16 ulp (2^-8 relative) of the result
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_rmsnorm_and_fused_residual(dtype, tokens):
+    torch.manual_seed(tokens)
+    x, r = torch.randn(tokens, 576).to(dtype), torch.randn(tokens, 576).to(dtype)
+    w = (1 + 0.1 * torch.randn(576)).to(dtype)
+    assert_close(cpu_kernels.rmsnorm(x, w, 1e-5), rmsnorm_reference(x, w, 1e-5))
+    out, res = cpu_kernels.rmsnorm(x, w, 1e-5, r)
+    assert torch.equal(res, x + r)  # the residual sum rounds exactly as torch's add
+    assert_close(out, rmsnorm_reference(x + r, w, 1e-5))
+    strided = torch.randn(tokens, 1000).to(dtype)[:, :576]  # a view with a row stride
+    assert_close(cpu_kernels.rmsnorm(strided, w, 1e-5), rmsnorm_reference(strided, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_matches_reference(dtype, is_neox, rotary_dim):
+    torch.manual_seed(rotary_dim)
+    rope = RotaryEmbedding(64, 4096, 10000.0, rotary_dim=rotary_dim)
+    positions = torch.randint(0, 4096, (37,))
+    cos_sin = rope.get_cos_sin(positions)
+    qkv = torch.randn(37, (9 + 3 + 3) * 64).to(dtype)
+    qk = qkv[:, : 12 * 64].view(37, 12, 64)  # q and k heads of a fused QKV output, as llama.py passes
+    got = cpu_kernels.rotary(qk, cos_sin[0], cos_sin[1], rotary_dim, is_neox)
+    assert_close(got, rotary_reference(qk, cos_sin, rotary_dim, is_neox))
+    if rotary_dim < 64:  # channels past rotary_dim are copied unchanged
+        assert torch.equal(got[..., rotary_dim:], qk[..., rotary_dim:])
+
+
+def test_interleaved_reference_is_neox_on_permuted_channels():
+    """Pins the interleaved torch form itself: interleaving the channels turns it into NeoX."""
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    cos_sin = rope.get_cos_sin(torch.arange(5))
+    x = torch.randn(5, 2, 16)
+    perm = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])
+    inter = rotary_reference(x, cos_sin, 16, is_neox=False)
+    assert torch.allclose(inter[..., perm], rotary_reference(x[..., perm], cos_sin, 16), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_silu_and_mul(dtype, tokens):
+    x = (3 * torch.randn(tokens, 2 * 1536)).to(dtype)
+    assert_close(cpu_kernels.silu_and_mul(x), silu_and_mul_reference(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_dispatch_to_the_kernels(monkeypatch, dtype):
+    """The layers call the kernels on CPU tensors in inference, and match their torch forms."""
+    calls = []
+    for name in ("rmsnorm", "rotary", "silu_and_mul"):
+        fn = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    norm = RMSNorm(64, dtype=dtype)
+    x = torch.randn(3, 64).to(dtype)
+    rope = RotaryEmbedding(16, 32, 10000.0)
+    with torch.inference_mode():
+        assert_close(norm(x), rmsnorm_reference(x, norm.weight, norm.eps))
+        q = torch.randn(3, 4, 16).to(dtype)
+        cs = rope.get_cos_sin(torch.arange(3))
+        assert_close(rope.apply(q, cs), rotary_reference(q, cs, 16))
+        assert_close(SiluAndMul()(x), silu_and_mul_reference(x))
+    assert calls == ["rmsnorm", "rotary", "silu_and_mul"]
+    with torch.enable_grad():  # autograd keeps the torch forms (the kernels have no backward)
+        norm(x)
+    assert calls == ["rmsnorm", "rotary", "silu_and_mul"]
