@@ -12,6 +12,7 @@ SIGINT. If it dies first, requests fail with 503 instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(argv)
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    logger.info("server_args: %s", server_args)
+    # The key itself never reaches a log (nor /get_server_info, which redacts it too).
+    shown = dataclasses.replace(server_args, api_key="<redacted>") if server_args.api_key else server_args
+    logger.info("server_args: %s", shown)
     return launch_server(server_args)
 
 

@@ -102,3 +102,4 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    max_running_requests: int = 0  # 0: unknown (the API side then uses --max-running-requests)

@@ -12,12 +12,14 @@ server turns each into a status code and the error envelope in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Optional, Union
+import typing
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from hiserve.engine.sampling_params import SamplingParams
+from hiserve.engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 # ================================================================== errors
 
@@ -98,6 +100,12 @@ def param_from_loc(loc: tuple[Any, ...]) -> Optional[str]:
     return parts[0]
 
 
+# Size bounds of the request schemas (checked by pydantic, so before any work; in /openapi.json).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf source text
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -105,37 +113,23 @@ class _Strict(BaseModel):
 # ================================================================== native /generate
 
 
-class SamplingParamsInput(_Strict):
-    """`sampling_params` of /generate, typed; converted to the engine's `SamplingParams`."""
+class _SamplingParamsInputBase(_Strict):
+    """The keys of `sampling_params` that are not engine fields (see `SamplingParamsInput`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")  # a typo must not fall back to a default
 
-    max_new_tokens: Optional[int] = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: int = 1
-    sampling_seed: Optional[int] = None
-    stream_interval: Optional[int] = None
-    custom_params: Optional[dict[str, Any]] = None  # accepted, unused (no custom logit processors)
+    spaces_between_special_tokens: bool = Field(
+        True, description="Accepted for SGLang clients. Hugging Face fast tokenizers (the only kind "
+        "hiserve loads) ignore it, as they do in SGLang: special tokens are never space-separated.")
+    custom_params: Optional[dict[str, Any]] = Field(
+        None, description="Accepted and unused (there are no custom logit processors).")
     # SGLang features hiserve does not implement: refused when set.
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-    structural_tag: Optional[str] = None
+    json_schema: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    regex: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    structural_tag: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     stop_regex: Union[str, list[str], None] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
 
     def to_sampling_params(self) -> SamplingParams:
         for name in ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex"):
@@ -143,9 +137,34 @@ class SamplingParamsInput(_Strict):
                 raise BadRequestError(f"{name} is not supported by this server.", param=name)
         if self.logit_bias:
             raise BadRequestError("logit_bias is not supported by this server.", param="logit_bias")
-        fields = self.model_dump(exclude={"custom_params", "json_schema", "regex", "ebnf",
-                                          "structural_tag", "stop_regex", "logit_bias"})
-        return SamplingParams(**fields)
+        return SamplingParams(**self.model_dump(include=_ENGINE_SAMPLING_FIELDS))
+
+
+_ENGINE_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+# Engine fields whose request type is narrower than the dataclass annotation.
+_SAMPLING_INPUT_TYPES: dict[str, Any] = {
+    "stop": Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None],
+}
+
+
+def _derive_sampling_params_input() -> type[_SamplingParamsInputBase]:
+    """`SamplingParamsInput`: one field per `SamplingParams` init field, with its default and
+    the bounds `SamplingParams.verify` enforces (`SCHEMA_BOUNDS`, shown in /openapi.json), so
+    the request model's defaults cannot drift from the engine's."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        if not f.init:
+            continue
+        bounds = SamplingParams.SCHEMA_BOUNDS.get(f.name)
+        fields[f.name] = (_SAMPLING_INPUT_TYPES.get(f.name, hints[f.name]),
+                          Field(f.default, json_schema_extra=bounds))
+    return create_model("SamplingParamsInput", __base__=_SamplingParamsInputBase,
+                        __doc__="`sampling_params` of /generate, typed; converted to the engine's "
+                        "`SamplingParams` (same names and defaults).", **fields)
+
+
+SamplingParamsInput = _derive_sampling_params_input()
 
 
 class GenerateReqInput(_Strict):
@@ -200,7 +219,7 @@ class _OpenAISampling(_Strict):
 
     model: Optional[str] = None  # echoed back, never validated (clients pass the model path)
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = None
@@ -208,7 +227,7 @@ class _OpenAISampling(_Strict):
     top_p: Optional[float] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     user: Optional[str] = None
     # SGLang extras
     top_k: Optional[int] = None
@@ -221,9 +240,9 @@ class _OpenAISampling(_Strict):
     skip_special_tokens: bool = True
     rid: Union[str, list[str], None] = None
     lora_path: Optional[str] = None
-    regex: Optional[str] = None
-    json_schema: Optional[str] = None
-    ebnf: Optional[str] = None
+    regex: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    json_schema: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     stop_regex: Union[str, list[str], None] = None
     response_format: Optional[dict[str, Any]] = None
 

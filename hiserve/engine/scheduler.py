@@ -96,7 +96,8 @@ class Scheduler(SchedulerOutputMixin):
         return SchedulerReady(max_total_num_tokens=self.max_total_num_tokens,
                               max_req_input_len=self.max_req_input_len, context_len=self.context_len,
                               vocab_size=self.model_runner.vocab_size,
-                              eos_token_ids=sorted(self.eos_token_ids))
+                              eos_token_ids=sorted(self.eos_token_ids),
+                              max_running_requests=self.model_runner.max_running_requests)
 
     # ================================================================== loop
     def event_loop(self) -> None:
@@ -105,6 +106,7 @@ class Scheduler(SchedulerOutputMixin):
             for msg in self._recv_requests(block=idle):
                 self._handle(msg)
             self.step()
+            self.send_stats()
 
     def step(self) -> None:
         """One iteration: run a batch if there is one, then process cache events."""
@@ -135,6 +137,7 @@ class Scheduler(SchedulerOutputMixin):
             self.abort_request(msg)
         elif isinstance(msg, FlushCacheReq):
             ok = self.flush_cache()
+            self.send_stats(force=True)  # before the reply, so /metrics is current when it returns
             self._emit(FlushCacheReqOutput(
                 success=ok, message="Cache flushed." if ok else
                 "Cache not flushed: there are running or waiting requests."))
