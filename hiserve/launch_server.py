@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hiserve.server_args import PortArgs, ServerArgs, prepare_server_args
@@ -116,27 +115,34 @@ async def _serve(app: Any, tm: Any, server_args: ServerArgs, proc: mp.Process) -
     return not warm_up_failed
 
 
+def _run_scheduler(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
+    """The scheduler process's entry; importing the scheduler (torch, the model code) here keeps
+    it out of this process, which pickles only a reference to this function."""
+    from hiserve.engine.scheduler import run_scheduler_process
+
+    run_scheduler_process(server_args, port_args, pipe_writer)
+
+
 def launch_server(server_args: ServerArgs) -> int:
     """Start everything and serve until stopped; the exit status."""
     from hiserve.engine.http_server import create_app
-    from hiserve.engine.scheduler import run_scheduler_process
     from hiserve.engine.tokenizer_manager import TokenizerManager
-    from hiserve.models.loader import get_tokenizer
 
     port_args = PortArgs.init_new()
     spawn = mp.get_context("spawn")
     reader, writer = spawn.Pipe(duplex=False)
-    proc = spawn.Process(target=run_scheduler_process, args=(server_args, port_args, writer),
+    proc = spawn.Process(target=_run_scheduler, args=(server_args, port_args, writer),
                          name="hiserve-scheduler")
     start = time.monotonic()
     proc.start()
     writer.close()  # ours; the child holds its own copy, so its death closes the pipe
     try:
-        with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(get_tokenizer, server_args.tokenizer_path)
-            ready = _wait_for_scheduler(proc, reader)
-            logger.info("Scheduler ready in %.1f s: %s", time.monotonic() - start, ready)
-            tm = TokenizerManager(server_args, port_args, ready, tokenizer=tokenizer.result())
+        ready = _wait_for_scheduler(proc, reader)
+        logger.info("Scheduler ready in %.1f s: max_total_num_tokens=%d, max_req_input_len=%d, "
+                    "context_len=%d, max_running_requests=%d", time.monotonic() - start,
+                    ready.max_total_num_tokens, ready.max_req_input_len, ready.context_len,
+                    ready.max_running_requests)
+        tm = TokenizerManager(server_args, port_args, ready)  # tokenizer rebuilt from ready.tokenizer_spec
         ok = asyncio.run(_serve(create_app(tm), tm, server_args, proc))
         return 0 if ok else 1
     except RuntimeError as e:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hiserve.engine.sampling_params import SamplingParams
+from hiserve.engine.tokenizer_spec import TokenizerSpec
 
 # ---------------------------------------------------------------- API -> scheduler
 
@@ -103,3 +104,4 @@ class SchedulerReady:
     vocab_size: int
     eos_token_ids: list[int]
     max_running_requests: int = 0  # 0: unknown (the API side then uses --max-running-requests)
+    tokenizer_spec: Optional[TokenizerSpec] = None  # the API process's tokenizer, without torch

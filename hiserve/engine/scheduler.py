@@ -30,6 +30,7 @@ from hiserve.engine.model_runner import ModelRunner
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
+from hiserve.engine.tokenizer_spec import tokenizer_spec
 from hiserve.layers.forward_batch import ForwardMode
 from hiserve.mem_cache.radix_cache import RadixCache
 from hiserve.models.loader import get_tokenizer
@@ -97,7 +98,8 @@ class Scheduler(SchedulerOutputMixin):
                               max_req_input_len=self.max_req_input_len, context_len=self.context_len,
                               vocab_size=self.model_runner.vocab_size,
                               eos_token_ids=sorted(self.eos_token_ids),
-                              max_running_requests=self.model_runner.max_running_requests)
+                              max_running_requests=self.model_runner.max_running_requests,
+                              tokenizer_spec=tokenizer_spec(self.tokenizer))
 
     # ================================================================== loop
     def event_loop(self) -> None:

@@ -40,7 +40,7 @@ from hiserve.engine.io_struct import (
 from hiserve.engine.metrics import ServerMetrics
 from hiserve.engine.protocol import BadRequestError, ClientDisconnectedError, ServiceUnavailableError
 from hiserve.engine.sampling_params import SamplingParams
-from hiserve.models.loader import get_tokenizer
+from hiserve.engine.tokenizer_spec import build_tokenizer
 from hiserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class TokenizerManager:
         self.port_args = port_args
         self.ready = ready
         self.context_len = ready.context_len
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(server_args, ready)
         self.model_name = server_args.served_model_name
         self.metrics = ServerMetrics(self.model_name)
         self.max_token_bytes = max_token_bytes(self.tokenizer.get_vocab())
@@ -502,6 +502,17 @@ class TokenizerManager:
             probe.cancel()
             await asyncio.gather(probe, return_exceptions=True)
             await gen.aclose()
+
+
+def _load_tokenizer(server_args: ServerArgs, ready: SchedulerReady) -> Any:
+    """The scheduler's tokenizer, rebuilt from its spec (no torch, no gguf); loaded from
+    --tokenizer-path only when the scheduler sent none."""
+    spec = getattr(ready, "tokenizer_spec", None)
+    if spec is not None:
+        return build_tokenizer(spec)
+    from hiserve.models.loader import get_tokenizer
+
+    return get_tokenizer(server_args.tokenizer_path)
 
 
 async def wait_disconnected(request: Any) -> None:
