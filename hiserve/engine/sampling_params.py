@@ -8,6 +8,10 @@ from typing import Optional, Union
 
 _GREEDY_TEMPERATURE = 1e-6
 MAX_STOP_STRINGS = 32  # SGLang's limit (latest)
+# SGLang accepts (0, 2]; a penalty near 0 divides positive logits by ~0 (1e-300 is 0.0 in float32),
+# whose inf/NaN probabilities killed the scheduler ("probability tensor contains either inf, nan or
+# element < 0"), found by the schemathesis run; test/unit/test_http_limits.py reproduces it.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
@@ -56,7 +60,7 @@ class SamplingParams:
         "min_p": {"minimum": 0, "maximum": 1},
         "frequency_penalty": {"minimum": -2, "maximum": 2},
         "presence_penalty": {"minimum": -2, "maximum": 2},
-        "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+        "repetition_penalty": {"minimum": MIN_REPETITION_PENALTY, "maximum": 2},
         "n": {"minimum": 1},
         "stream_interval": {"minimum": 1},
     }
@@ -91,8 +95,9 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], "
+                             f"got {self.repetition_penalty}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.stream_interval is not None and self.stream_interval < 1:

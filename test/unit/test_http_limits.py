@@ -80,3 +80,18 @@ assert 'torch' not in sys.modules and 'gguf' not in sys.modules, 'imported torch
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_tiny_repetition_penalty_is_refused_not_a_sampler_crash():
+    """1e-300 is 0.0 in float32: positive logits / 0 = inf, and torch.multinomial raised on the
+    NaN probabilities inside the scheduler process (the schemathesis run found it)."""
+    import torch
+
+    from hiserve.engine.sampler import Sampler, SamplingBatchInfo
+
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300).verify()
+    lowest = SamplingParams(repetition_penalty=0.01)
+    lowest.verify()
+    info = SamplingBatchInfo.from_reqs([lowest], [([1, 2, 3], [4])], 16, "cpu")
+    assert 0 <= int(Sampler().sample(torch.randn(1, 16) + 5, info)[0]) < 16
