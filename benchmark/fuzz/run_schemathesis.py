@@ -39,7 +39,7 @@ from server import kill, popen_launch_server  # noqa: E402
 
 KEY = "fuzz-key"
 SERVER_ARGS = ["--api-key", KEY, "--load-format", "dummy", "--context-length", 32,
-               "--max-running-requests", 8, "--max-total-tokens", 8192, "--max-request-body-bytes", 1_000_000]
+               "--max-running-requests", 8, "--max-total-tokens", 8192]
 GATING = ("not_a_server_error,status_code_conformance,content_type_conformance,"
           "response_headers_conformance,response_schema_conformance,negative_data_rejection,"
           "missing_required_header,unsupported_method,allow_header_conformance,ignored_auth")

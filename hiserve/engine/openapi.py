@@ -30,6 +30,7 @@ from hiserve.engine.sampling_params import SamplingParams
 _SCHEDULER_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/get_server_info",
                      "/server_info", "/flush_cache", "/health", "/health_generate")
 _AUTH_EXEMPT = ("/health", "/metrics")
+_STREAMING_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 _TOKEN_FIELDS = ("input_ids", "stop_token_ids", "prompt")
 _FANOUT_FIELDS = ("n", "best_of")
 # OpenAI names of SamplingParams fields, for their bounds.
@@ -94,6 +95,14 @@ def _document_statuses(path: str, method: str, op: dict[str, Any], api_key: bool
         responses["200"] = {"description": "Healthy (empty body)."}
         responses["503"] = {"description": "Not warmed up, scheduler gone, or (/health) stalled for "
                                            "--health-stall-timeout s with requests in flight (empty body)."}
+    if path in _STREAMING_ROUTES:
+        responses["200"]["content"] = {"application/json": {"schema": {}},
+                                       "text/event-stream": {"schema": {"type": "string"}}}
+        responses["200"]["description"] = "The answer; with `stream: true`, server-sent events ending in [DONE]."
+    if path in ("/flush_cache", "/metrics"):
+        responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    if path == "/abort_request":
+        responses["200"] = {"description": "Abort sent (empty body)."}
     if path == "/flush_cache":
         responses["400"] = {"description": "Requests are running (or a bad `timeout`).",
                             "content": {"text/plain": {"schema": {"type": "string"}},
@@ -147,6 +156,10 @@ def _apply_runtime_bounds(schemas: dict[str, Any], vocab_size: int, context_len:
             elif name in _BOUNDED:
                 _bound_typed(prop, ("integer", "number"), SamplingParams.SCHEMA_BOUNDS[_BOUNDED[name]])
             if name in ("max_tokens", "max_new_tokens", "max_completion_tokens"):
+                if name == "max_tokens" and "max_completion_tokens" in props:
+                    _bound_typed(prop, ("integer",), {"minimum": 1})
+                    prop["description"] = "Deprecated alias of max_completion_tokens, ignored when that is set."
+                    continue
                 low = 0 if name == "max_new_tokens" else 1
                 _bound_typed(prop, ("integer",), {"minimum": low, "maximum": context_len - 1})
                 prop["description"] = _CONTEXT_NOTE

@@ -345,6 +345,7 @@ class ChatCompletionRequest(_OpenAISampling):
             raise BadRequestError("logprobs is not supported by this server.", param="logprobs")
         if self.tools:
             raise BadRequestError("tools are not supported by this server.", param="tools")
+        _positive_or_none(self.max_tokens, "max_tokens")  # checked even when max_completion_tokens wins
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(_positive_or_none(limit, self.max_tokens_param))
 
