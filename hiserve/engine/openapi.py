@@ -97,7 +97,7 @@ def _document_statuses(path: str, method: str, op: dict[str, Any], api_key: bool
                                            "--health-stall-timeout s with requests in flight (empty body)."}
     if path in _STREAMING_ROUTES:
         responses["200"]["content"] = {"application/json": {"schema": {}},
-                                       "text/event-stream": {"schema": {"type": "string"}}}
+                                       "text/event-stream": {"schema": {}}}
         responses["200"]["description"] = "The answer; with `stream: true`, server-sent events ending in [DONE]."
     if path in ("/flush_cache", "/metrics"):
         responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
