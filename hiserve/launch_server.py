@@ -17,13 +17,13 @@ pools are held at one thread, leaving the cores to the scheduler's compute threa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hiserve.server_args import PortArgs, ServerArgs, prepare_server_args
@@ -43,7 +43,9 @@ def scheduler_threads() -> tuple[int, str]:
 
 
 def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArgs, writer: Any) -> None:
-    """Scheduler process entry: size torch's and OpenMP's thread pools before torch loads."""
+    """Scheduler process entry: size torch's and OpenMP's thread pools before torch loads;
+    importing the scheduler (torch, the model code) only here keeps it out of the API
+    process, which pickles only a reference to this function."""
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     import torch
 
@@ -152,7 +154,6 @@ def launch_server(server_args: ServerArgs) -> int:
     """Start everything and serve until stopped; the exit status."""
     from hiserve.engine.http_server import create_app
     from hiserve.engine.tokenizer_manager import TokenizerManager
-    from hiserve.models.loader import get_tokenizer
 
     port_args = PortArgs.init_new()
     spawn = mp.get_context("spawn")
@@ -166,11 +167,12 @@ def launch_server(server_args: ServerArgs) -> int:
     proc.start()
     writer.close()  # ours; the child holds its own copy, so its death closes the pipe
     try:
-        with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(get_tokenizer, server_args.tokenizer_path)
-            ready = _wait_for_scheduler(proc, reader)
-            logger.info("Scheduler ready in %.1f s: %s", time.monotonic() - start, ready)
-            tm = TokenizerManager(server_args, port_args, ready, tokenizer=tokenizer.result())
+        ready = _wait_for_scheduler(proc, reader)
+        logger.info("Scheduler ready in %.1f s: max_total_num_tokens=%d, max_req_input_len=%d, "
+                    "context_len=%d, max_running_requests=%d", time.monotonic() - start,
+                    ready.max_total_num_tokens, ready.max_req_input_len, ready.context_len,
+                    ready.max_running_requests)
+        tm = TokenizerManager(server_args, port_args, ready)  # tokenizer rebuilt from ready.tokenizer_spec
         ok = asyncio.run(_serve(create_app(tm), tm, server_args, proc))
         return 0 if ok else 1
     except RuntimeError as e:
@@ -191,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(argv)
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    logger.info("server_args: %s", server_args)
+    # The key itself never reaches a log (nor /get_server_info, which redacts it too).
+    shown = dataclasses.replace(server_args, api_key="<redacted>") if server_args.api_key else server_args
+    logger.info("server_args: %s", shown)
     if server_args.device == "cpu":  # resolve() chose these before logging was configured
         from hiserve.hardware import detect_cpu
 

@@ -79,6 +79,12 @@ class ServerArgs:
         False, "Accepted for SGLang scripts: usage.prompt_tokens_details.cached_tokens is always "
         "reported here.")
     stream_interval: int = _arg(1, "Tokens between two streamed chunks.")
+    max_request_body_bytes: int = _arg(
+        16 * 1024 * 1024, "Largest HTTP request body in bytes; a larger one gets 413 before it is read "
+        "whole (from its Content-Length, or as soon as the bytes received pass the limit).")
+    health_stall_timeout: float = _arg(
+        60.0, "Seconds the scheduler may go without sending anything while requests are in flight "
+        "before /health answers 503 (it reports at least once a second while busy).")
     decode_log_interval: int = _arg(40, "Decode steps between two 'Decode batch' log lines.")
 
     # Memory and scheduling
@@ -206,6 +212,10 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.tp_size != 1:
             raise ValueError(f"--tp-size {self.tp_size}: only 1 rank is implemented")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
+        if not self.health_stall_timeout > 0:
+            raise ValueError(f"--health-stall-timeout must be > 0, got {self.health_stall_timeout}")
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192 if self.device == "cuda" else 2048
         if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:

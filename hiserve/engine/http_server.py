@@ -12,6 +12,7 @@ a real 4xx; a failure after that is an in-stream `data: {"error": ...}` event.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import importlib.metadata
@@ -22,7 +23,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 
 import orjson
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -37,12 +38,15 @@ from hiserve.engine.logprobs_format import (
     completion_choice_logprobs,
     completion_stream_logprobs,
 )
+from hiserve.engine.http_limits import BodySizeLimitMiddleware, body_error_message, check_fanout
 from hiserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from hiserve.engine.openapi import install_openapi
 from hiserve.engine.protocol import (
     AbortReqInput,
     ApiError,
     BadRequestError,
     ChatChoice,
+    ClientDisconnectedError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
@@ -63,11 +67,12 @@ from hiserve.engine.protocol import (
     error_for_status,
     param_from_loc,
 )
-from hiserve.engine.tokenizer_manager import ReqState, TokenizerManager
+from hiserve.engine.tokenizer_manager import ReqState, TokenizerManager, wait_disconnected
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
+_FLUSH_TIMEOUT_MAX_S = 600.0
 _SSE_DONE = b"data: [DONE]\n\n"
 _OPENAI_PARAM_NAMES = {"input_ids": "prompt", "max_new_tokens": "max_tokens",
                        "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -84,12 +89,16 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     app = FastAPI(title="hiserve", lifespan=lifespan)
     app.state.tm = tm
+    app.add_middleware(BodySizeLimitMiddleware, limit=tm.server_args.max_request_body_bytes)
     if tm.server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=tm.server_args.api_key)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True,
                        allow_methods=["*"], allow_headers=["*"])  # outermost: 401s carry CORS headers
     app.include_router(router)
     _install_error_handlers(app)
+    install_openapi(app, api_key=bool(tm.server_args.api_key), vocab_size=tm.ready.vocab_size,
+                    context_len=tm.context_len, max_input_len=tm.ready.max_req_input_len,
+                    fanout_limit=tm.fanout_limit)
     return app
 
 
@@ -130,10 +139,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(BadRequestError("Invalid request: " + "; ".join(lines), param=param))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        err = ApiError(str(exc.detail))
+        message = str(exc.detail)
+        if exc.status_code == 400:  # the body parser failed on something other than JSON syntax
+            message = body_error_message(exc.__cause__) or message
+        err = ApiError(message)
         err.status_code = err.code = exc.status_code
         err.err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(err)
+        response = error_response(err)
+        response.headers.update(exc.headers or {})  # e.g. 405's Allow
+        return response
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("internal error on %s %s", request.method, request.url.path)
@@ -198,17 +212,30 @@ def _sse_event(obj: Any) -> bytes:
     return b"data: " + body + b"\n\n"
 
 
-async def _first_output(gen: AsyncIterator[ReqState]) -> ReqState:
-    """Await the first output before the 200 headers, so a refusal is still an HTTP error."""
+async def _first_output(gen: AsyncIterator[ReqState], request: Request) -> ReqState:
+    """Await the first output before the 200 headers, so a refusal is still an HTTP error.
+
+    A client that leaves meanwhile (a long prefill) is noticed at once: the generator is
+    closed, which sends the abort to the scheduler before its next iteration.
+    """
+    gone = asyncio.ensure_future(wait_disconnected(request))
+    first = asyncio.ensure_future(gen.__anext__())
     try:
-        st = await gen.__anext__()
+        await asyncio.wait([first, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            raise ClientDisconnectedError("The client disconnected before the first output.")
+        st = first.result()
         err = _rejection(st)
         if err is not None:
             raise err
         return st
     except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
         await gen.aclose()
         raise
+    finally:
+        gone.cancel()
 
 
 async def _collect(gen: AsyncIterator[ReqState]) -> list[ReqState]:
@@ -263,29 +290,32 @@ async def generate(obj: GenerateReqInput, request: Request) -> Response:
         obj.check_supported()
         if (obj.text is None) == (obj.input_ids is None):
             raise BadRequestError("Either text or input_ids should be provided (exactly one).", param="text")
+        prompt_param = "text" if obj.text is not None else "input_ids"
         if obj.text is not None:
             batched = isinstance(obj.text, list)
-            prompts = [tm.tokenize(t, param="text") for t in (obj.text if batched else [obj.text])]
+            texts = obj.text if batched else [obj.text]
         else:
             batched = bool(obj.input_ids) and isinstance(obj.input_ids[0], list)
-            prompts = obj.input_ids if batched else [obj.input_ids]
-        if not prompts:
-            raise BadRequestError("The batch is empty.", param="text" if obj.text is not None else "input_ids")
+            texts = obj.input_ids if batched else [obj.input_ids]
+        if not texts:
+            raise BadRequestError("The batch is empty.", param=prompt_param)
         sp_in = obj.sampling_params
         if isinstance(sp_in, list):
-            if len(sp_in) != len(prompts):
-                raise BadRequestError(f"sampling_params has {len(sp_in)} entries for {len(prompts)} prompts.",
+            if len(sp_in) != len(texts):
+                raise BadRequestError(f"sampling_params has {len(sp_in)} entries for {len(texts)} prompts.",
                                       param="sampling_params")
             params = [p.to_sampling_params() for p in sp_in]
         else:
-            params = [(sp_in or SamplingParamsInput()).to_sampling_params() for _ in prompts]
+            params = [(sp_in or SamplingParamsInput()).to_sampling_params() for _ in texts]
+        check_fanout([p.n for p in params], None, tm.fanout_limit, prompt_param)
+        prompts = await tm.tokenize_many(texts, param="text") if obj.text is not None else texts
         subreqs = tm.make_requests(prompts, params, obj.rid, obj.stream)
         apply_logprob_options(subreqs, obj.logprob_options(len(prompts)), [p.n for p in params],
                               bool(obj.return_text_in_logprobs))
     many = batched or len(subreqs) > 1
     if obj.stream:
         gen = tm.generate(subreqs)
-        first = await _first_output(gen)
+        first = await _first_output(gen, request)
         return StreamingResponse(_sse(first, gen, lambda st: [_native_output(st, many)]),
                                  media_type="text/event-stream")
     states = await _collect(tm.generate(subreqs, request))
@@ -336,8 +366,11 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     tm = _tm(request)
     with _param_names(_OPENAI_PARAM_NAMES):
         raw_prompts = req.prompts()
-        prompts = [tm.tokenize(p) if isinstance(p, str) else p for p in raw_prompts]
-        params = [req.to_sampling_params() for _ in prompts]
+        check_fanout([req.n] * len(raw_prompts), req.best_of, tm.fanout_limit, "prompt")
+        params = [req.to_sampling_params() for _ in raw_prompts]
+        texts = [p for p in raw_prompts if isinstance(p, str)]
+        encoded = iter(await tm.tokenize_many(texts))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in raw_prompts]
         subreqs = tm.make_requests(prompts, params, req.rid, req.stream)
         want = req.logprobs is not None
         apply_logprob_options(subreqs, [(want, 0 if req.echo and want else -1, req.logprobs or 0)] * len(prompts),
@@ -349,7 +382,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 
     if req.stream:
         gen = tm.generate(subreqs)
-        first = await _first_output(gen)
+        first = await _first_output(gen, request)
         created = int(time.time())
         tracker = _DeltaTracker()
         lp_tracker = LogprobTracker()
@@ -392,8 +425,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     names = {**_OPENAI_PARAM_NAMES, "input_ids": "messages", "max_new_tokens": req.max_tokens_param}
     with _param_names(names):
         sp = req.to_sampling_params()
-        ids = tm.apply_chat_template(req.template_messages(), req.chat_template_kwargs,
-                                     req.continue_final_message)
+        check_fanout([req.n], None, tm.fanout_limit, "messages")
+        ids = await tm.apply_chat_template_async(req.template_messages(), req.chat_template_kwargs,
+                                                 req.continue_final_message)
         subreqs = tm.make_requests([ids], [sp], req.rid, req.stream)
         apply_logprob_options(subreqs, [(req.logprobs, -1, req.top_logprobs or 0)], [req.n])
     rid = req.rid if isinstance(req.rid, str) else f"chatcmpl-{uuid.uuid4().hex}"
@@ -401,7 +435,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     model = req.model or tm.model_name
     if req.stream:
         gen = tm.generate(subreqs)
-        first = await _first_output(gen)
+        first = await _first_output(gen, request)
         created = int(time.time())
         tracker = _DeltaTracker()
         lp_tracker = LogprobTracker()
@@ -506,9 +540,9 @@ async def get_server_info(request: Request) -> Response:
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
+async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0, le=_FLUSH_TIMEOUT_MAX_S)) -> Response:
     """Empty the prefix cache (device and host); 400 while requests run (`timeout` s: wait for idle)."""
-    out = await _tm(request).flush_cache(max(0.0, timeout))
+    out = await _tm(request).flush_cache(timeout)
     if out.success:
         return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there "
                                  "are running or waiting requests, the operation will not be performed.)\n")

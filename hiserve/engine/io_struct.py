@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hiserve.engine.sampling_params import SamplingParams
+from hiserve.engine.tokenizer_spec import TokenizerSpec
 
 # ---------------------------------------------------------------- API -> scheduler
 
@@ -123,3 +124,5 @@ class SchedulerReady:
     context_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    max_running_requests: int = 0  # 0: unknown (the API side then uses --max-running-requests)
+    tokenizer_spec: Optional[TokenizerSpec] = None  # the API process's tokenizer, without torch

@@ -14,10 +14,12 @@ server turns each into a status code and the error envelope in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Optional, Union
+import typing
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from hiserve.engine.request_extras import (
     check_top_logprobs,
@@ -25,7 +27,7 @@ from hiserve.engine.request_extras import (
     parse_logit_bias,
     response_format_schema,
 )
-from hiserve.engine.sampling_params import SamplingParams
+from hiserve.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams
 
 # ================================================================== errors
 
@@ -106,6 +108,12 @@ def param_from_loc(loc: tuple[Any, ...]) -> Optional[str]:
     return parts[0]
 
 
+# Size bounds of the request schemas (checked by pydantic, so before any work; in /openapi.json).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
+MAX_GRAMMAR_CHARS = 65536  # json_schema / regex / ebnf source text
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -113,48 +121,63 @@ class _Strict(BaseModel):
 # ================================================================== native /generate
 
 
-class SamplingParamsInput(_Strict):
-    """`sampling_params` of /generate, typed; converted to the engine's `SamplingParams`."""
+class _SamplingParamsInputBase(_Strict):
+    """The keys of `sampling_params` that are not engine fields (see `SamplingParamsInput`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")  # a typo must not fall back to a default
 
-    max_new_tokens: Optional[int] = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: int = 1
-    sampling_seed: Optional[int] = None
-    stream_interval: Optional[int] = None
-    custom_params: Optional[dict[str, Any]] = None  # accepted, unused (no custom logit processors)
-    # Constrained decoding (xgrammar, at most one) and token biases.
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
+    spaces_between_special_tokens: bool = Field(
+        True, description="Accepted for SGLang clients. Hugging Face fast tokenizers (the only kind "
+        "hiserve loads) ignore it, as they do in SGLang: special tokens are never space-separated.")
+    custom_params: Optional[dict[str, Any]] = Field(
+        None, description="Accepted and unused (there are no custom logit processors).")
+    # Constrained decoding (xgrammar, at most one) and token biases: typed here as JSON
+    # carries them (string keys), converted and checked by request_extras.
+    json_schema: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    regex: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # SGLang features hiserve does not implement: refused when set.
-    structural_tag: Optional[str] = None
+    structural_tag: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     stop_regex: Union[str, list[str], None] = None
 
     def to_sampling_params(self) -> SamplingParams:
         for name in ("structural_tag", "stop_regex"):
             if getattr(self, name) is not None:
                 raise BadRequestError(f"{name} is not supported by this server.", param=name)
-        fields = self.model_dump(exclude={"custom_params", "json_schema", "regex", "ebnf",
-                                          "structural_tag", "stop_regex", "logit_bias"})
         constraint = constraint_fields({"json_schema": self.json_schema, "regex": self.regex,
                                         "ebnf": self.ebnf})
-        return SamplingParams(**fields, **constraint, logit_bias=parse_logit_bias(self.logit_bias))
+        return SamplingParams(**self.model_dump(include=_ENGINE_SAMPLING_FIELDS), **constraint,
+                              logit_bias=parse_logit_bias(self.logit_bias))
+
+
+# Fields declared on the base (typed as JSON carries them) are converted by to_sampling_params.
+_CONVERTED_FIELDS = {"json_schema", "regex", "ebnf", "logit_bias"}
+_ENGINE_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - _CONVERTED_FIELDS
+# Engine fields whose request type is narrower than the dataclass annotation.
+_SAMPLING_INPUT_TYPES: dict[str, Any] = {
+    "stop": Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None],
+}
+
+
+def _derive_sampling_params_input() -> type[_SamplingParamsInputBase]:
+    """`SamplingParamsInput`: one field per `SamplingParams` init field, with its default and
+    the bounds `SamplingParams.verify` enforces (`SCHEMA_BOUNDS`, shown in /openapi.json), so
+    the request model's defaults cannot drift from the engine's."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        if not f.init or f.name in _CONVERTED_FIELDS:
+            continue
+        bounds = SamplingParams.SCHEMA_BOUNDS.get(f.name)
+        fields[f.name] = (_SAMPLING_INPUT_TYPES.get(f.name, hints[f.name]),
+                          Field(f.default, json_schema_extra=bounds))
+    return create_model("SamplingParamsInput", __base__=_SamplingParamsInputBase,
+                        __doc__="`sampling_params` of /generate, typed; converted to the engine's "
+                        "`SamplingParams` (same names and defaults).", **fields)
+
+
+SamplingParamsInput = _derive_sampling_params_input()
 
 
 class GenerateReqInput(_Strict):
@@ -228,7 +251,7 @@ class _OpenAISampling(_Strict):
 
     model: Optional[str] = None  # echoed back, never validated (clients pass the model path)
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     seed: Optional[int] = None
@@ -236,7 +259,7 @@ class _OpenAISampling(_Strict):
     top_p: Optional[float] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     user: Optional[str] = None
     # SGLang extras
     top_k: Optional[int] = None
@@ -249,9 +272,9 @@ class _OpenAISampling(_Strict):
     skip_special_tokens: bool = True
     rid: Union[str, list[str], None] = None
     lora_path: Optional[str] = None
-    regex: Optional[str] = None
-    json_schema: Optional[str] = None
-    ebnf: Optional[str] = None
+    regex: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    json_schema: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    ebnf: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     stop_regex: Union[str, list[str], None] = None
     response_format: Optional[dict[str, Any]] = None
 
@@ -359,6 +382,7 @@ class ChatCompletionRequest(_OpenAISampling):
             raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.tools:
             raise BadRequestError("tools are not supported by this server.", param="tools")
+        _positive_or_none(self.max_tokens, "max_tokens")  # checked even when max_completion_tokens wins
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(_positive_or_none(limit, self.max_tokens_param))
 

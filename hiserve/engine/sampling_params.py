@@ -8,6 +8,11 @@ from typing import Optional, Union
 
 _GREEDY_TEMPERATURE = 1e-6
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI documents no cap; this bounds the per-step scatter
+MAX_STOP_STRINGS = 32  # SGLang's limit (latest)
+# SGLang accepts (0, 2]; a penalty near 0 divides positive logits by ~0 (1e-300 is 0.0 in float32),
+# whose inf/NaN probabilities killed the scheduler ("probability tensor contains either inf, nan or
+# element < 0"), found by the schemathesis run; test/unit/test_http_limits.py reproduces it.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
@@ -31,7 +36,6 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: Optional[int] = None
@@ -51,6 +55,22 @@ class SamplingParams:
             self.stop_strs = [self.stop] if self.stop else []
         else:
             self.stop_strs = [s for s in self.stop if s]
+
+    # What `verify` accepts, as JSON Schema keywords: the request schemas (/openapi.json) show
+    # these, so the published schema and the server's checks come from one place.
+    SCHEMA_BOUNDS = {
+        "max_new_tokens": {"minimum": 0},
+        "min_new_tokens": {"minimum": 0, "description": "At most max_new_tokens."},
+        "temperature": {"minimum": 0},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"minimum": -1, "not": {"const": 0}},
+        "min_p": {"minimum": 0, "maximum": 1},
+        "frequency_penalty": {"minimum": -2, "maximum": 2},
+        "presence_penalty": {"minimum": -2, "maximum": 2},
+        "repetition_penalty": {"minimum": MIN_REPETITION_PENALTY, "maximum": 2},
+        "n": {"minimum": 1},
+        "stream_interval": {"minimum": 1},
+    }
 
     @property
     def grammar_key(self) -> Optional[tuple[str, str]]:
@@ -91,12 +111,15 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], "
+                             f"got {self.repetition_penalty}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if len(self.stop_strs) > 32:
-            raise ValueError(f"stop accepts at most 32 strings, got {len(self.stop_strs)}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        if len(self.stop_strs) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strs)}.")
         if self.stop_token_ids is not None and vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

@@ -38,7 +38,10 @@ class Req:
         if not sampling_params.ignore_eos:
             self.stop_token_ids |= eos_token_ids
         self.stop_strs = sampling_params.stop_strs
-        self._max_stop_chars = max((len(s) for s in self.stop_strs), default=0)
+        # Every token decodes to at least one byte, so a stop string of B UTF-8 bytes that ends in
+        # the newest token lies within the last B tokens (in characters it could span more
+        # tokens: a 4-byte emoji is often several byte-level tokens).
+        self._stop_tail_tokens = max((len(s.encode("utf-8")) for s in self.stop_strs), default=0) + 1
 
         # Logprobs (set by `hiserve.engine.logprobs.init_req_logprobs`; see that module).
         self.return_logprob = False
@@ -94,8 +97,9 @@ class Req:
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if past_min and self.stop_strs:
-            # Decode only a tail long enough to hold any stop string: O(1) per step.
-            tail_tokens = self.output_ids[-(self._max_stop_chars + 2):]
+            # Decode only a tail long enough to hold any stop string: O(1) per step. A character cut
+            # at the tail's start decodes to U+FFFD, which no match that ends later can need.
+            tail_tokens = self.output_ids[-self._stop_tail_tokens:]
             tail = tokenizer.decode(tail_tokens, skip_special_tokens=False)
             for s in self.stop_strs:
                 if s in tail:

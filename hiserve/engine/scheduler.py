@@ -31,6 +31,7 @@ from hiserve.engine.model_runner import ModelRunner
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
+from hiserve.engine.tokenizer_spec import tokenizer_spec
 from hiserve.layers.forward_batch import ForwardMode
 from hiserve.mem_cache.kv_manager import KVManager
 from hiserve.models.loader import get_tokenizer
@@ -86,7 +87,9 @@ class Scheduler(SchedulerOutputMixin):
         return SchedulerReady(max_total_num_tokens=self.max_total_num_tokens,
                               max_req_input_len=self.max_req_input_len, context_len=self.context_len,
                               vocab_size=self.model_runner.vocab_size,
-                              eos_token_ids=sorted(self.eos_token_ids))
+                              eos_token_ids=sorted(self.eos_token_ids),
+                              max_running_requests=self.model_runner.max_running_requests,
+                              tokenizer_spec=tokenizer_spec(self.tokenizer))
 
     # ================================================================== loop
     def event_loop(self) -> None:
@@ -95,6 +98,7 @@ class Scheduler(SchedulerOutputMixin):
             for msg in self._recv_requests(block=idle):
                 self._handle(msg)
             self.step()
+            self.send_stats()
 
     def step(self) -> None:
         """One iteration: run a batch if there is one, then process cache events."""
@@ -124,6 +128,7 @@ class Scheduler(SchedulerOutputMixin):
             self.abort_request(msg)
         elif isinstance(msg, FlushCacheReq):
             ok = self.flush_cache()
+            self.send_stats(force=True)  # before the reply, so /metrics is current when it returns
             self._emit(FlushCacheReqOutput(
                 success=ok, message="Cache flushed." if ok else
                 "Cache not flushed: there are running or waiting requests."))

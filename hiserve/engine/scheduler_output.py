@@ -12,9 +12,14 @@ from hiserve.engine.schedule_batch import Req
 
 logger = logging.getLogger("hiserve.engine.scheduler")
 
+_HEARTBEAT_S = 1.0  # while busy, stats reach the API process at least this often (its /health reads them)
+
 
 class SchedulerOutputMixin:
     """Mixed into `Scheduler`; reads its queues, pools and `server_args`."""
+
+    _last_emit_time = 0.0  # of the latest BatchTokenIDOut (monotonic s)
+    _idle_stats_sent = False  # the stats of the current idle period have been sent
 
     def _send_outputs(self, reqs: list[Req]) -> None:
         interval = self.server_args.stream_interval
@@ -40,7 +45,24 @@ class SchedulerOutputMixin:
         if out.rids:
             self._emit(out)
 
+    def send_stats(self, force: bool = False) -> None:
+        """Send the current stats alone when they would otherwise go stale: on `force`, when the
+        server has just gone idle (the last output's stats were taken before its request left
+        the running batch), and once per heartbeat while busy (a liveness signal)."""
+        idle = not (self.waiting_queue or self.running or self.chunked_req)
+        now = time.monotonic()
+        if not force:
+            if idle and self._idle_stats_sent:
+                return
+            if not idle and now - self._last_emit_time < _HEARTBEAT_S:
+                return
+        self._emit(BatchTokenIDOut([], [], [], [], [], [], [], stats=self._update_stats()))
+        self._idle_stats_sent = idle
+
     def _emit(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenIDOut):
+            self._last_emit_time = time.monotonic()
+            self._idle_stats_sent = False
         if self.send_to_api is None:
             self.outbox.append(msg)
         else:

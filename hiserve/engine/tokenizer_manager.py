@@ -19,12 +19,14 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Optional, Union
 
 import zmq
 import zmq.asyncio
 
 from hiserve.engine.detokenizer import IncrementalDetokenizer, first_stop, visible_len
+from hiserve.engine.http_limits import check_text_length, max_token_bytes
 from hiserve.engine.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -39,13 +41,14 @@ from hiserve.engine.logprobs_format import LogprobState
 from hiserve.engine.metrics import ServerMetrics
 from hiserve.engine.protocol import BadRequestError, ClientDisconnectedError, ServiceUnavailableError
 from hiserve.engine.sampling_params import SamplingParams
-from hiserve.models.loader import get_tokenizer
+from hiserve.engine.tokenizer_spec import build_tokenizer
 from hiserve.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
 _RPC_TIMEOUT_S = 30.0
+_TOKENIZE_THREADS = 2  # tokenization and chat templates run here, never in the event loop
+_DEFAULT_FANOUT_LIMIT = 256  # the scheduler's default --max-running-requests
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {"stop"}
 
 
@@ -151,9 +154,14 @@ class TokenizerManager:
         self.port_args = port_args
         self.ready = ready
         self.context_len = ready.context_len
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(server_args, ready)
         self.model_name = server_args.served_model_name
         self.metrics = ServerMetrics(self.model_name)
+        self.max_token_bytes = max_token_bytes(self.tokenizer.get_vocab())
+        # One HTTP request starts at most this many sequences (prompts x n): what can run at once.
+        self.fanout_limit = (getattr(ready, "max_running_requests", 0) or server_args.max_running_requests
+                             or _DEFAULT_FANOUT_LIMIT)
+        self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="hiserve-tokenize")
 
         # Sends never block (no high-water mark), so an abort can be sent from a cancelled task.
         self._send_ctx = zmq.Context()
@@ -193,10 +201,21 @@ class TokenizerManager:
             self._recv_sock = None
         self._send_sock.close(linger=0)
         self._send_ctx.term()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
-        return self.is_warm and self.dead_reason is None
+        return self.is_warm and self.dead_reason is None and not self.is_stalled()
+
+    def is_stalled(self, now: Optional[float] = None) -> bool:
+        """Whether requests are waiting on a scheduler that has sent nothing for
+        `--health-stall-timeout` s (while busy it reports at least once a second)."""
+        if not self.rid_to_state:
+            return False
+        now = time.monotonic() if now is None else now
+        timeout = self.server_args.health_stall_timeout
+        oldest = min(st.created for st in self.rid_to_state.values())
+        return now - max(self.last_recv_time, oldest) > timeout
 
     def scheduler_died(self, reason: str) -> None:
         """Fail everything in flight and refuse new work: nothing waits on a dead scheduler."""
@@ -222,6 +241,28 @@ class TokenizerManager:
         self._send_sock.send_pyobj(msg)
 
     # ------------------------------------------------------------------ tokenization
+    async def tokenize_many(self, texts: list[str], param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text, computed in the tokenizer thread pool (the event loop keeps
+        serving); a text too long for any prompt is refused from its length, untokenized.
+
+        Raises:
+            BadRequestError: a text is too long, or the tokenizer refuses it.
+        """
+        check_text_length(texts, self.ready.max_req_input_len, self.context_len, self.max_token_bytes, param)
+        loop = asyncio.get_running_loop()
+        return [await loop.run_in_executor(self._tokenize_pool, self.tokenize, t, param) for t in texts]
+
+    async def apply_chat_template_async(self, messages: list[dict[str, Any]],
+                                        template_kwargs: Optional[dict[str, Any]],
+                                        continue_final_message: bool = False) -> list[int]:
+        """`apply_chat_template` in the tokenizer thread pool, after the cheap length check."""
+        text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+        check_text_length([text], self.ready.max_req_input_len, self.context_len, self.max_token_bytes,
+                          "messages")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.apply_chat_template, messages,
+                                          template_kwargs, continue_final_message)
+
     def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of `text`; raises BadRequestError (400) for text the tokenizer refuses
         (e.g. lone surrogates)."""
@@ -311,9 +352,9 @@ class TokenizerManager:
         """Submit the sequences and yield each one's state whenever it changes.
 
         Streaming sequences are yielded per scheduler update, the others once, finished.
-        With `request` (a Starlette Request; non-streaming only) the client is polled and a
-        disconnect raises ClientDisconnectedError. However the iteration ends, unfinished
-        sequences are aborted.
+        With `request` (a Starlette Request; non-streaming only) a disconnect raises
+        ClientDisconnectedError as soon as the server sees it. However the iteration ends,
+        unfinished sequences are aborted (and counted as aborted requests).
         """
         self._check_alive()
         seen: set[str] = set()
@@ -329,17 +370,17 @@ class TokenizerManager:
             states.append(st)
             self._send(req)
         remaining = len(states)
+        gone = None if request is None else asyncio.ensure_future(wait_disconnected(request))
         try:
             while remaining:
-                if request is None:
+                if gone is None:
                     await event.wait()
                 else:
-                    try:
-                        await asyncio.wait_for(event.wait(), _DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            raise ClientDisconnectedError("The client disconnected.")
-                        continue
+                    woke = asyncio.ensure_future(event.wait())
+                    await asyncio.wait([woke, gone], return_when=asyncio.FIRST_COMPLETED)
+                    woke.cancel()
+                    if gone.done() and not event.is_set():
+                        raise ClientDisconnectedError("The client disconnected.")
                 event.clear()
                 for st in states:
                     if st.dirty and (st.stream or st.finished):
@@ -348,9 +389,15 @@ class TokenizerManager:
                             remaining -= 1
                         yield st
         finally:
+            if gone is not None:
+                gone.cancel()
+            now = time.monotonic()
             for st in states:
                 if not st.finished and self.rid_to_state.pop(st.rid, None) is not None:
                     self._send(AbortReq(rid=st.rid))
+                    if st.log_metrics:
+                        self.metrics.observe_finished(st.prompt_tokens, st.completion_tokens, st.cached_device,
+                                                      st.cached_host, now - st.created, aborted=True)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -482,3 +529,26 @@ class TokenizerManager:
             probe.cancel()
             await asyncio.gather(probe, return_exceptions=True)
             await gen.aclose()
+
+
+def _load_tokenizer(server_args: ServerArgs, ready: SchedulerReady) -> Any:
+    """The scheduler's tokenizer, rebuilt from its spec (no torch, no gguf); loaded from
+    --tokenizer-path only when the scheduler sent none."""
+    spec = getattr(ready, "tokenizer_spec", None)
+    if spec is not None:
+        return build_tokenizer(spec)
+    from hiserve.models.loader import get_tokenizer
+
+    return get_tokenizer(server_args.tokenizer_path)
+
+
+async def wait_disconnected(request: Any) -> None:
+    """Return when the client of `request` (a Starlette Request whose body was read) goes away.
+
+    After the body, the ASGI server's next receive() message is `http.disconnect`, delivered
+    as soon as the connection closes: no polling delay between a client leaving and its abort.
+    """
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,73 @@
+"""/openapi.json documents every status each route can answer, never 422, and the run-time bounds."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hiserve.engine.http_server import create_app
+from hiserve.engine.io_struct import SchedulerReady
+from hiserve.engine.tokenizer_manager import TokenizerManager
+from hiserve.server_args import PortArgs, ServerArgs
+
+
+class _Tokenizer:
+    chat_template = None
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "abcd": 1}
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict:
+    args = ServerArgs(api_key="k", max_request_body_bytes=1000)
+    ready = SchedulerReady(4096, 1000, 1024, 512, [2], max_running_requests=8)
+    tm = TokenizerManager(args, PortArgs.init_new(), ready, tokenizer=_Tokenizer())
+    try:
+        yield create_app(tm).openapi()
+    finally:
+        tm._send_sock.close(linger=0)
+
+
+def test_statuses_documented(doc: dict):
+    ops = {(m, p): op for p, item in doc["paths"].items() for m, op in item.items()}
+    for (method, path), op in ops.items():
+        codes = set(op["responses"])
+        assert "422" not in codes, path
+        if path.startswith(("/health", "/metrics")):
+            assert "401" not in codes
+        else:
+            assert "401" in codes, path
+        if "requestBody" in op:
+            assert {"400", "413"} <= codes, path
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        assert {"200", "400", "401", "413", "503"} <= set(ops[("post", path)]["responses"])
+    assert "404" in ops[("get", "/v1/models/{model_id}")]["responses"]
+    ids = [op["operationId"] for op in ops.values()]
+    assert len(ids) == len(set(ids))
+
+
+def test_runtime_bounds_in_request_schemas(doc: dict):
+    s = doc["components"]["schemas"]
+    assert s["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 8
+    prompt = s["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    ids = next(b for b in prompt if b.get("type") == "array" and b["items"].get("type") == "integer")
+    assert ids["items"]["maximum"] == 511 and ids["maxItems"] == 1000
+    assert s["SamplingParamsInput"]["properties"]["top_k"]["not"] == {"const": 0}
+
+
+def test_wrong_method_405_with_allow_and_413_without_reading():
+    args = ServerArgs(max_request_body_bytes=1000)
+    ready = SchedulerReady(4096, 1000, 1024, 512, [2], max_running_requests=8)
+    tm = TokenizerManager(args, PortArgs.init_new(), ready, tokenizer=_Tokenizer())
+    client = TestClient(create_app(tm))  # no lifespan: nothing here reaches the scheduler
+    r = client.delete("/generate")
+    assert r.status_code == 405 and set(r.headers["allow"].replace(" ", "").split(",")) == {"POST", "PUT"}
+    assert r.json()["error"]["code"] == 405
+    r = client.post("/v1/completions", content=b"{" + b" " * 2000 + b"}", headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=b"[" * 400 + b"]" * 400, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    tm._send_sock.close(linger=0)
