@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+# Progress bars (GGUF loading, the client's levels) would bury the summary lines; set before tqdm loads.
+os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agreement  # noqa: E402
 import engines  # noqa: E402
@@ -63,7 +66,8 @@ def served_model(base_url: str) -> str:
 
 
 def measure_engine(spec: engines.EngineSpec, gguf: str, levels: list[scenarios.Level], seed: int,
-                   log_dir: Path, reference: list[str] | None, tokenizer) -> dict[str, Any]:
+                   log_dir: Path, reference: list[str] | None, tokenizer,
+                   n_prompts: int) -> dict[str, Any]:
     """Start one engine, run every level (and the agreement prompts when `reference` is given),
     read its peak RSS, stop it. Returns {"levels": {...}, "startup_s", "peak_rss", "agreement"}."""
     tag = spec.name.replace(".", "")
@@ -75,8 +79,9 @@ def measure_engine(spec: engines.EngineSpec, gguf: str, levels: list[scenarios.L
         print(f"  healthy after {eng.startup_s:.1f} s; load {load_average()}", flush=True)
         if reference is not None:
             model = served_model(eng.base_url)
-            texts = agreement.served_texts(eng.base_url, model, agreement.prompt_ids(tokenizer))
-            out["agreement"] = agreement.agreement(tokenizer, reference, texts)
+            ids = agreement.prompt_ids(tokenizer)[:n_prompts]
+            texts = agreement.served_texts(eng.base_url, model, ids)
+            out["agreement"] = agreement.agreement(tokenizer, reference[:n_prompts], texts)
             print(f"  agreement: first token {out['agreement']['first_token_agreement']:.2f}, "
                   f"identical {out['agreement']['identical_outputs']}/{out['agreement']['prompts']}, "
                   f"mean common prefix {out['agreement']['mean_common_prefix_fraction']:.2f} of the "
@@ -101,11 +106,13 @@ def build_doc(args, machine, specs, runs, agreements, rss, startup, t_start, loa
         "note": args.note, "quick": args.quick, "repeats": args.repeats,
         "wall_time_s": time.perf_counter() - t_start, "load_average_samples": load,
         "machine": machine,
-        "engines": {n: {"version": s.version, "start_command": s.shell_command()} for n, s in specs.items()},
+        "engines": {n: {"version": s.version, "start_command": s.shell_command(), "notes": s.notes}
+                    for n, s in specs.items()},
         "scenarios": [{"scenario": lv.scenario, "concurrency": lv.concurrency,
                        "client_args": " ".join(lv.args)} for lv in scenarios.levels(args.quick)],
         "agreement_reference": "transformers float32 greedy on the same GGUF (gguf_file=), "
-                               f"{len(agreement.CHAT_PROMPTS)} chat prompts, {agreement.MAX_NEW_TOKENS} tokens",
+                               f"{2 if args.quick else len(agreement.CHAT_PROMPTS)} chat prompts, "
+                               f"{agreement.MAX_NEW_TOKENS} tokens",
         "agreement": agreements, "peak_rss": rss, "startup_s": startup,
         "summary": summary, "targets": report.targets(summary), "per_repeat": runs,
     }
@@ -136,7 +143,8 @@ def run(args) -> dict[str, Any]:
     for rep in range(args.repeats):
         for name, spec in specs.items():
             res = measure_engine(spec, gguf, levels, args.seed, log_dir,
-                                 reference if rep == 0 else None, tokenizer)
+                                 reference if rep == 0 else None, tokenizer,
+                                 2 if args.quick else len(agreement.CHAT_PROMPTS))
             runs[name].append(res["levels"])
             startup[name].append(res["startup_s"])
             if "agreement" in res:
@@ -154,7 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", nargs="+", choices=ENGINE_ORDER, default=list(ENGINE_ORDER))
     p.add_argument("--repeats", type=int, default=2, help="times every engine is started and measured")
-    p.add_argument("--quick", action="store_true", help="few requests, short outputs: a smoke test")
+    p.add_argument("--quick", action="store_true",
+                   help="few requests, short outputs, 2 agreement prompts: a smoke test of the pipeline")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. how quiet the machine was)")
     p.add_argument("--output-file", default=None,
@@ -173,6 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the running engine is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
     else:

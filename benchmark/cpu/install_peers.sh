@@ -34,7 +34,7 @@ install_vllm() {
         printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ver" \
             >"$site/vllm-$ver+cpu.dist-info/METADATA"
     fi
-    "$venv/bin/python" -c 'import gguf' 2>/dev/null || "$venv/bin/pip" install -q gguf
+    "$venv/bin/python" -c 'import gguf, accelerate' 2>/dev/null || "$venv/bin/pip" install -q gguf accelerate
     # The same GGUF as the other engines, dequantized to a bf16 HF folder: vLLM's GGUF support
     # runs on CUDA kernels only.
     if ! [[ -f $BENCH_HOME/vllm-model/config.json && -f $BENCH_HOME/vllm-model/tokenizer.json ]]; then

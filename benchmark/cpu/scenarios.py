@@ -31,14 +31,15 @@ class Level:
 
 
 def levels(quick: bool) -> list[Level]:
-    out_a, out_b, out_c = (16, 16, 8) if quick else (64, 128, 32)
+    out_a, out_b, out_c = (8, 8, 4) if quick else (64, 128, 32)
     a_n = 2 if quick else 8
     common_b = ("--scenario", "random", "--random-input-len", "300", "--random-output-len", str(out_b),
                 "--ignore-eos")
     result = [Level("a", 1, ("--scenario", "random", "--num-prompts", str(a_n), "--random-input-len", "200",
-                             "--random-output-len", str(out_a), "--concurrency", "1", "--warmup", "2"))]
+                             "--random-output-len", str(out_a), "--concurrency", "1",
+                             "--warmup", "1" if quick else "2"))]
     for conc in (1, 4, 16):
-        n = max(4, conc) if quick else 32
+        n = conc if quick else 32
         result.append(Level("b", conc, (*common_b, "--num-prompts", str(n), "--concurrency", str(conc))))
     c_n = 8 if quick else 32
     result.append(Level("c", 8, ("--scenario", "shared-prefix", "--num-prompts", str(c_n),
