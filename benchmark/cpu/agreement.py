@@ -60,7 +60,7 @@ def reference_texts(gguf_path: str, cache_dir: Path | None = None) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     st = os.stat(gguf_path)
-    key = hashlib.sha256(json.dumps([gguf_path, st.st_size, st.st_mtime_ns, transformers.__version__,
+    key = hashlib.sha256(json.dumps(["dense", gguf_path, st.st_size, st.st_mtime_ns, transformers.__version__,
                                      torch.__version__, CHAT_PROMPTS, MAX_NEW_TOKENS]).encode()).hexdigest()[:16]
     cache = cache_dir / f"reference_{key}.json" if cache_dir else None
     if cache is not None and cache.exists():
@@ -68,9 +68,12 @@ def reference_texts(gguf_path: str, cache_dir: Path | None = None) -> list[str]:
     transformers.utils.logging.disable_progress_bar()
 
     tok = load_tokenizer(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
-                                                 gguf_file=os.path.basename(gguf_path),
-                                                 dtype=torch.float32)
+    from gguf_to_hf import dequantize_kwargs
+
+    # Dense float32 weights, the plain transformers path (not its packed-GGUF kernels).
+    name = os.path.basename(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=name,
+                                                 dtype=torch.float32, **dequantize_kwargs(name))
     model.eval()
     texts = []
     with torch.inference_mode():

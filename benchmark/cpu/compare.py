@@ -139,21 +139,29 @@ def run(args) -> dict[str, Any]:
     agreements: dict[str, Any] = {}
     rss: dict[str, Any] = {}
     startup: dict[str, list] = {n: [] for n in specs}
+    errors: dict[str, list] = {}
     load = [{"when": "start", "loadavg": load_average()}]
     for rep in range(args.repeats):
         for name, spec in specs.items():
-            res = measure_engine(spec, gguf, levels, args.seed, log_dir,
-                                 reference if rep == 0 else None, tokenizer,
-                                 2 if args.quick else len(agreement.CHAT_PROMPTS))
-            runs[name].append(res["levels"])
-            startup[name].append(res["startup_s"])
-            if "agreement" in res:
-                agreements[name] = res["agreement"]
-            # The largest peak over repeats: the figure a user must provision for.
-            if name not in rss or res["peak_rss"]["total_peak_rss_mib"] > rss[name]["total_peak_rss_mib"]:
-                rss[name] = res["peak_rss"]
+            try:
+                res = measure_engine(spec, gguf, levels, args.seed, log_dir,
+                                     reference if name not in agreements else None, tokenizer,
+                                     2 if args.quick else len(agreement.CHAT_PROMPTS))
+            except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+                # One engine failing (e.g. a peer that does not start) must not lose the others' figures.
+                print(f"  {name} repeat {rep} FAILED: {str(e)[:2000]}", flush=True)
+                errors.setdefault(name, []).append(f"repeat {rep}: {str(e)[:2000]}")
+            else:
+                runs[name].append(res["levels"])
+                startup[name].append(res["startup_s"])
+                if "agreement" in res:
+                    agreements[name] = res["agreement"]
+                # The largest peak over repeats: the figure a user must provision for.
+                if name not in rss or res["peak_rss"]["total_peak_rss_mib"] > rss[name]["total_peak_rss_mib"]:
+                    rss[name] = res["peak_rss"]
             load.append({"when": f"after {name} repeat {rep}", "loadavg": load_average()})
             doc = build_doc(args, machine, specs, runs, agreements, rss, startup, t_start, load)
+            doc["errors"] = errors
             Path(args.output_file).write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return doc
 

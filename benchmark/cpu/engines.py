@@ -45,7 +45,8 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to os.environ
     version: str = ""
     health_path: str = "/health"
-    start_timeout_s: float = 900.0
+    # vLLM compiles its model at start: minutes on a quiet 2-core machine, far more on a busy one.
+    start_timeout_s: float = float(os.environ.get("BENCH_START_TIMEOUT_S", "1800"))
     cwd: Optional[str] = None
     notes: str = ""
 

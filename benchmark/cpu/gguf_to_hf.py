@@ -13,6 +13,19 @@ import os
 import sys
 
 
+def dequantize_kwargs(gguf_name: str) -> dict:
+    """from_pretrained kwargs that unpack every GGUF weight into a dense tensor at load time.
+
+    Recent transformers keep GGUF weights packed by default (GgufConfig(dequantize=False));
+    older ones always dequantized and have no GgufConfig.
+    """
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=gguf_name, dequantize=True)}
+
+
 def convert(gguf_path: str, out_dir: str) -> None:
     """Write `out_dir` (config.json, model.safetensors, tokenizer files). Raises ValueError if the
     GGUF carries no chat template (the benchmark sends chat requests)."""
@@ -23,9 +36,10 @@ def convert(gguf_path: str, out_dir: str) -> None:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not tok.chat_template:
         raise ValueError(f"{gguf_path}: no chat template in the GGUF metadata")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
-    # The tensors are plain after loading; a leftover quantization entry would make vLLM look for
-    # a GGUF quantizer.
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16,
+                                                 **dequantize_kwargs(name))
+    # Dense after dequantization; a leftover quantization entry would make vLLM look for a GGUF
+    # quantizer.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -107,13 +107,14 @@ def text_table(doc: dict[str, Any]) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The README's table: engines as rows, metrics as columns, then the targets, CPU named."""
+    """The README's table (one column per engine, one row per metric), then the targets, CPU named."""
     headers, rows = _rows(doc["summary"], doc.get("agreement", {}), doc.get("peak_rss", {}))
     m = doc["machine"]
     lines = [f"Measured {doc['date'][:10]} on {m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} cores), "
              f"{doc['repeats']} repeat(s), means over repeats; {doc.get('note', '')}".rstrip("; "), "",
-             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+             "| metric | " + " | ".join(r[0] for r in rows) + " |", "|---|" + "---:|" * len(rows)]
+    # Metrics as rows, engines as columns: a dozen metrics fit a README's width only this way.
+    lines += ["| " + h + " | " + " | ".join(r[i] for r in rows) + " |" for i, h in enumerate(headers) if i]
     lines += ["", "| target | ratio | goal | |", "|---|---|---|---|"]
     for t in doc["targets"]:
         verdict = {True: "met", False: "not met", None: "not measured"}[t["met"]]
