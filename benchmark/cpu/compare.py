@@ -26,6 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+import httpx
+
 # Progress bars (GGUF loading, the client's levels) would bury the summary lines; set before tqdm loads.
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,8 +62,6 @@ def spec_factories(gguf: str) -> dict[str, Callable[[], engines.EngineSpec]]:
 
 
 def served_model(base_url: str) -> str:
-    import httpx
-
     return httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
@@ -147,7 +147,7 @@ def run(args) -> dict[str, Any]:
                 res = measure_engine(spec, gguf, levels, args.seed, log_dir,
                                      reference if name not in agreements else None, tokenizer,
                                      2 if args.quick else len(agreement.CHAT_PROMPTS))
-            except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+            except (RuntimeError, TimeoutError, OSError, ValueError, httpx.HTTPError) as e:
                 # One engine failing (e.g. a peer that does not start) must not lose the others' figures.
                 print(f"  {name} repeat {rep} FAILED: {str(e)[:2000]}", flush=True)
                 errors.setdefault(name, []).append(f"repeat {rep}: {str(e)[:2000]}")
