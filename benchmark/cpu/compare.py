@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -101,7 +102,7 @@ def measure_engine(spec: engines.EngineSpec, gguf: str, levels: list[scenarios.L
 def build_doc(args, machine, specs, runs, agreements, rss, startup, t_start, load) -> dict[str, Any]:
     summary = {name: report.summarize_engine(runs[name]) for name in runs if runs[name]}
     return {
-        "command": " ".join([os.path.relpath(sys.executable, engines.REPO_ROOT), *sys.argv]),
+        "command": shlex.join([os.path.relpath(sys.executable, engines.REPO_ROOT), *sys.argv]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "note": args.note, "quick": args.quick, "repeats": args.repeats,
         "wall_time_s": time.perf_counter() - t_start, "load_average_samples": load,
