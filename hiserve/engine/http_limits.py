@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional
 
 from starlette.exceptions import HTTPException
 
-from hiserve.engine.protocol import ApiError, BadRequestError
+from hiserve.engine.errors import ApiError, BadRequestError
 
 
 def body_too_large(limit: int) -> ApiError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from hiserve.engine.errors import BadRequestError
 from hiserve.engine.io_struct import LogprobChunk
 
 Entry = tuple[Optional[float], int]
@@ -137,8 +138,6 @@ def apply_logprob_options(subreqs: list[tuple[str, Any]], options: list[tuple[bo
     Raises:
         BadRequestError: logprob_start_len is not below the prompt's length.
     """
-    from hiserve.engine.protocol import BadRequestError
-
     k = 0
     for (ret, start, top), n in zip(options, ns):
         for _ in range(n):

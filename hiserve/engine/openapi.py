@@ -23,7 +23,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from hiserve.engine.protocol import ErrorResponse
+from hiserve.engine.errors import ErrorResponse
 from hiserve.engine.sampling_params import SamplingParams
 
 # Routes that wait on the scheduler process, hence can answer 503.

@@ -8,8 +8,7 @@ stop_regex, LoRA) is refused with a 400 rather than ignored. Logprobs, logit_bia
 structured output (`response_format`, `json_schema` / `regex` / `ebnf`) are checked by
 `hiserve.engine.request_extras`.
 
-The `ApiError` family is the only way the API process reports a failed request; the HTTP
-server turns each into a status code and the error envelope in one place.
+Errors are the `ApiError` family of `hiserve.engine.errors`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from hiserve.engine.errors import BadRequestError
 from hiserve.engine.request_extras import (
     check_top_logprobs,
     constraint_fields,
@@ -28,66 +28,6 @@ from hiserve.engine.request_extras import (
     response_format_schema,
 )
 from hiserve.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams
-
-# ================================================================== errors
-
-
-class ApiError(Exception):
-    """A request that failed; `status_code` and `param` go straight into the response."""
-
-    status_code = 500
-    err_type = "server_error"
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Union[int, str, None] = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = self.status_code if code is None else code
-
-
-class BadRequestError(ApiError):
-    status_code = 400
-    err_type = "invalid_request_error"
-
-
-class NotFoundError(ApiError):
-    status_code = 404
-    err_type = "invalid_request_error"
-
-
-class ServiceUnavailableError(ApiError):
-    status_code = 503
-    err_type = "service_unavailable"
-
-
-class ClientDisconnectedError(ApiError):
-    """The client went away before its answer was ready (nobody reads the response)."""
-
-    status_code = 499
-    err_type = "client_disconnected"
-
-
-def error_for_status(status_code: int, message: str) -> ApiError:
-    """The ApiError for a status the scheduler attached to an aborted request."""
-    cls = {400: BadRequestError, 404: NotFoundError, 503: ServiceUnavailableError}.get(status_code, ApiError)
-    return cls(message)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Union[int, str, None] = None
-
-
-class ErrorResponse(BaseModel):
-    """The nested OpenAI error envelope, used by every route (401 excepted)."""
-
-    error: ErrorDetail
-
-    @classmethod
-    def of(cls, err: ApiError) -> "ErrorResponse":
-        return cls(error=ErrorDetail(message=err.message, type=err.err_type, param=err.param, code=err.code))
 
 
 def param_from_loc(loc: tuple[Any, ...]) -> Optional[str]:

@@ -9,17 +9,11 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from hiserve.engine.errors import BadRequestError
 from hiserve.engine.grammar import KINDS, validate_constraint
 from hiserve.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs; used for every route
-
-
-def BadRequestError(message: str, param: Optional[str]) -> Exception:  # noqa: N802 (stands for the class)
-    """protocol.BadRequestError, imported late: protocol imports this module."""
-    from hiserve.engine.protocol import BadRequestError as cls
-
-    return cls(message, param=param)
 
 
 def parse_logit_bias(bias: Optional[dict[str, float]], param: str = "logit_bias") -> Optional[dict[int, float]]:

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from hiserve.engine.errors import BadRequestError
 from hiserve.engine.http_limits import check_fanout, check_text_length, max_token_bytes
-from hiserve.engine.protocol import BadRequestError, SamplingParamsInput
+from hiserve.engine.protocol import SamplingParamsInput
 from hiserve.engine.sampling_params import SamplingParams
 
 

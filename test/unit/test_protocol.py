@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
+from hiserve.engine.errors import BadRequestError
 from hiserve.engine.protocol import (
-    BadRequestError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateReqInput,

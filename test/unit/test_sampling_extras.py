@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hiserve.engine.protocol import BadRequestError
+from hiserve.engine.errors import BadRequestError
 from hiserve.engine.request_extras import (
     check_top_logprobs,
     constraint_fields,
