@@ -150,5 +150,7 @@ def test_json_schema_constrains_output(sched):
 
 
 def test_integrity_after_all(sched):
+    sched.kv.check_integrity()
     assert sched.flush_cache()
-    assert sched.allocator.available_size() == sched.max_total_num_tokens
+    assert sched.kv.allocator.available_size() == sched.max_total_num_tokens
+    sched.kv.check_integrity()
