@@ -25,7 +25,7 @@ list (evicted while its write to the host is in flight). `check_integrity()` ver
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -83,7 +83,6 @@ class KVStats:
     host_used: int = 0
     backed_up_tokens_total: int = 0
     loaded_back_tokens_total: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class KVManager:
