@@ -357,6 +357,12 @@ class Sampler:
             weights, order = filter_probs(probs, info)
         else:
             weights, order = probs, None
+        # A row with no finite positive weight (e.g. every token masked, or an overflow) would
+        # make multinomial raise and take the whole scheduler down: such a row draws uniformly
+        # instead (no host sync: torch.where, not a Python branch).
+        weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0).clamp_min_(0)
+        empty = weights.sum(dim=-1, keepdim=True) <= 0
+        weights = torch.where(empty, torch.ones_like(weights), weights)
 
         bs = logits.shape[0]
         picked = torch.empty(bs, dtype=torch.int64, device=logits.device)

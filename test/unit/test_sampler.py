@@ -228,3 +228,15 @@ def test_flags():
     assert info.temperatures.shape == (2, 1) and info.temperatures[0, 0] == 1.0
     info = make_info([SamplingParams(temperature=1.0, top_k=V + 5)])
     assert not info.need_top_k and int(info.top_ks[0]) == V
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_row_without_finite_weight_draws_instead_of_raising(top_p):
+    """Every token masked (-inf) or a NaN row must not make multinomial raise (that took the
+    whole scheduler down in a schemathesis run); other rows sample as usual."""
+    logits = random_logits(3)
+    logits[0] = float("-inf")
+    logits[1, 3] = float("nan")
+    info = make_info([SamplingParams(temperature=0.7, top_p=top_p) for _ in range(3)])
+    out = Sampler().sample(logits, info)
+    assert out.shape == (3,) and bool(((out >= 0) & (out < V)).all())
