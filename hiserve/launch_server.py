@@ -1,17 +1,26 @@
 """`python -m hiserve.launch_server [flags]`: start the scheduler process, then serve HTTP.
 
-    main ──spawn──> scheduler process: run_scheduler_process()
-      │               └── pipe: SchedulerReady (or an error string, then we exit 1)
-      ├── TokenizerManager (tokenizer loaded while the scheduler starts) + FastAPI app
+    main: parse flags (no torch) ──spawn──> scheduler process: _run_scheduler()
+      │                                       ├── ServerArgs.resolve() (torch: device, dtype, kernels)
+      │   <── pipe: resolved, frozen ServerArgs (or InvalidServerArgs: exit 2, a usage error)
+      │   <── pipe: SchedulerReady with the tokenizer's spec (or an error string: exit 1)
+      ├── TokenizerManager (tokenizer rebuilt from the spec) + FastAPI app
       └── uvicorn; warm-up /generate; "The server is fired up and ready to roll!"
+
+This process is the API process: it tokenizes and serves HTTP and never imports torch or
+gguf. Everything that needs them (detecting the device and its kernels while resolving
+the flags, reading a GGUF file's vocabulary) happens in the scheduler process, which
+sends back the results: the frozen `ServerArgs` and a `TokenizerSpec`. The API process
+thus starts faster and holds a few hundred MiB less, and on CUDA it creates no CUDA
+context.
 
 The scheduler process is killed whenever this process leaves, normally or by SIGTERM /
 SIGINT. If it dies first, requests fail with 503 instead of waiting forever.
 
 Threads: the scheduler process computes on `scheduler_threads()` torch/OpenMP threads (the
 cores it may use: its affinity, capped by a cgroup v2 cpu.max quota; or OMP_NUM_THREADS when
-the user set it). This (API) process only tokenizes and serves HTTP, so its torch/OpenMP
-pools are held at one thread, leaving the cores to the scheduler's compute threads.
+the user set it). This process's OpenMP pools (if a library starts one) are held at one
+thread, leaving the cores to the scheduler's compute threads.
 """
 
 from __future__ import annotations
@@ -26,12 +35,17 @@ import sys
 import time
 from typing import Any
 
-from hiserve.server_args import PortArgs, ServerArgs, prepare_server_args
+from hiserve.server_args import PortArgs, ServerArgs, server_args_parser
 
 logger = logging.getLogger("hiserve.launch_server")
 
 _WARMUP_PROMPT = "The capital city of France is"
 _WARMUP_TIMEOUT_S = 600.0
+
+
+class InvalidServerArgs(ValueError):
+    """The flags cannot run here (`ServerArgs.resolve()` refused them in the scheduler
+    process); `main` reports it as a usage error (exit status 2)."""
 
 
 def scheduler_threads() -> tuple[int, str]:
@@ -43,29 +57,43 @@ def scheduler_threads() -> tuple[int, str]:
 
 
 def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArgs, writer: Any) -> None:
-    """Scheduler process entry: size torch's and OpenMP's thread pools before torch loads;
-    importing the scheduler (torch, the model code) only here keeps it out of the API
-    process, which pickles only a reference to this function."""
+    """Scheduler process entry: size torch's and OpenMP's thread pools before torch loads,
+    resolve the flags and send them back (the API process never imports torch to resolve
+    them), then run the scheduler. Importing torch and the scheduler only here keeps them
+    out of the API process, which pickles only a reference to this function.
+
+    Pipe messages, in order: the resolved `ServerArgs` or an `InvalidServerArgs`, then (from
+    `run_scheduler_process`) a `SchedulerReady` or an error string.
+    """
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     import torch
 
     torch.set_num_threads(num_threads)
+    logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
+    try:
+        server_args.resolve()
+    except (ValueError, FileNotFoundError) as e:
+        writer.send(InvalidServerArgs(str(e)))
+        return
+    if server_args.device == "cpu":
+        from hiserve.hardware import detect_cpu
+
+        logger.info("CPU: %s -> --dtype %s, attention prefill %s / decode %s", detect_cpu().describe(),
+                    server_args.dtype, server_args.prefill_attention_backend, server_args.decode_attention_backend)
+    writer.send(server_args)
     from hiserve.engine.scheduler import run_scheduler_process
 
     run_scheduler_process(server_args, port_args, writer)
 
 
 def _limit_api_threads() -> None:
-    """One torch/OpenMP thread in this process: its work is tokenizing and HTTP."""
+    """One OpenMP thread in this process: its work is tokenizing and HTTP."""
     os.environ["OMP_NUM_THREADS"] = "1"
-    if "torch" in sys.modules:
-        import torch
-
-        torch.set_num_threads(1)
 
 
-def _wait_for_scheduler(proc: mp.Process, reader: Any) -> Any:
-    """The SchedulerReady the scheduler sends once; raises if it reports an error or dies first."""
+def _receive(proc: mp.Process, reader: Any) -> Any:
+    """The scheduler process's next pipe message; raises RuntimeError if it dies first or
+    sends an error string."""
     while not reader.poll(0.5):
         if not proc.is_alive() and not reader.poll(0):
             raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} before it was ready")
@@ -76,6 +104,27 @@ def _wait_for_scheduler(proc: mp.Process, reader: Any) -> Any:
     if isinstance(msg, str):
         raise RuntimeError(msg)
     return msg
+
+
+def _wait_for_resolved_args(proc: mp.Process, reader: Any) -> ServerArgs:
+    """The frozen ServerArgs the scheduler process resolved.
+
+    Raises:
+        InvalidServerArgs: resolve() refused the flags.
+        RuntimeError: the scheduler process died or failed first.
+    """
+    msg = _receive(proc, reader)
+    if isinstance(msg, InvalidServerArgs):
+        raise msg
+    if not isinstance(msg, ServerArgs):
+        raise RuntimeError(f"the scheduler process sent {type(msg).__name__} instead of the resolved ServerArgs")
+    return msg
+
+
+def _log_server_args(server_args: ServerArgs) -> None:
+    # The key itself never reaches a log (nor /get_server_info, which redacts it too).
+    shown = dataclasses.replace(server_args, api_key="<redacted>") if server_args.api_key else server_args
+    logger.info("server_args: %s", shown)
 
 
 def _stop_scheduler(proc: mp.Process) -> None:
@@ -151,7 +200,14 @@ async def _serve(app: Any, tm: Any, server_args: ServerArgs, proc: mp.Process) -
 
 
 def launch_server(server_args: ServerArgs) -> int:
-    """Start everything and serve until stopped; the exit status."""
+    """Start everything and serve until stopped; the exit status.
+
+    Args:
+        server_args: the flags, resolved or not: the scheduler process resolves them (a
+            no-op for resolved ones) and serving uses the resolved copy it sends back.
+    Raises:
+        InvalidServerArgs: `ServerArgs.resolve()` refused the flags.
+    """
     from hiserve.engine.http_server import create_app
     from hiserve.engine.tokenizer_manager import TokenizerManager
 
@@ -167,7 +223,9 @@ def launch_server(server_args: ServerArgs) -> int:
     proc.start()
     writer.close()  # ours; the child holds its own copy, so its death closes the pipe
     try:
-        ready = _wait_for_scheduler(proc, reader)
+        server_args = _wait_for_resolved_args(proc, reader)
+        _log_server_args(server_args)
+        ready = _receive(proc, reader)
         logger.info("Scheduler ready in %.1f s: max_total_num_tokens=%d, max_req_input_len=%d, "
                     "context_len=%d, max_running_requests=%d", time.monotonic() - start,
                     ready.max_total_num_tokens, ready.max_req_input_len, ready.context_len,
@@ -188,20 +246,17 @@ def launch_server(server_args: ServerArgs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the flags (argv, default sys.argv) and serve; the exit status (2: bad flags)."""
     # SIGTERM leaves through SystemExit, so `finally` blocks (killing the scheduler) run.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    server_args = prepare_server_args(argv)
+    parser = server_args_parser()
+    server_args = ServerArgs.from_cli_args(parser.parse_args(argv))  # resolved by the scheduler process
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    # The key itself never reaches a log (nor /get_server_info, which redacts it too).
-    shown = dataclasses.replace(server_args, api_key="<redacted>") if server_args.api_key else server_args
-    logger.info("server_args: %s", shown)
-    if server_args.device == "cpu":  # resolve() chose these before logging was configured
-        from hiserve.hardware import detect_cpu
-
-        logger.info("CPU: %s -> --dtype %s, attention prefill %s / decode %s", detect_cpu().describe(),
-                    server_args.dtype, server_args.prefill_attention_backend, server_args.decode_attention_backend)
-    return launch_server(server_args)
+    try:
+        return launch_server(server_args)
+    except InvalidServerArgs as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

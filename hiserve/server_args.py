@@ -172,7 +172,11 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ rules
     def resolve(self, platform: Optional["Platform"] = None) -> "ServerArgs":
-        """Fill derived defaults and apply cross-flag rules, logging each change.
+        """Fill derived defaults and apply cross-flag rules, logging each change; then the
+        args are frozen and resolving again returns them unchanged.
+
+        Detecting the platform imports torch, so the launcher calls this in the scheduler
+        process and sends the frozen result to the API process, which never imports torch.
 
         Args:
             platform: what the machine offers; default: `hardware.detect_platform()` (which
@@ -289,7 +293,8 @@ class ServerArgs:
         fa3_wanted = self.attention_backend is None or "fa3" in (
             self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend)
         if torch.cuda.is_available() and fa3_wanted:
-            # The MLA trial call runs a kernel in this (API) process: only when fa3 may be chosen.
+            # The MLA trial call runs a kernel in the resolving (scheduler) process: only when
+            # fa3 may be chosen.
             cfg = self.model_config()
             if cfg.kv_lora_rank:
                 mla_dims = (int(cfg.qk_rope_head_dim or 0), int(cfg.kv_lora_rank))
@@ -377,16 +382,23 @@ class ServerArgs:
         # without reading the routing back to the host (hiserve/layers/moe.py).
 
 
-def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
-    """Parse argv (default sys.argv) into resolved ServerArgs.
-
-    A flag combination that cannot run exits like any other usage error (status 2, the
-    reason on stderr naming the flag), not with a traceback.
-    """
+def server_args_parser() -> argparse.ArgumentParser:
+    """The `python -m hiserve.launch_server` parser: one flag per `ServerArgs` field."""
     parser = argparse.ArgumentParser(
         prog="python -m hiserve.launch_server",
         description="hiserve: an LLM server with a hierarchical (device + host) KV cache.")
     ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse argv (default sys.argv) into resolved ServerArgs (this imports torch: the
+    launcher instead lets the scheduler process resolve them).
+
+    A flag combination that cannot run exits like any other usage error (status 2, the
+    reason on stderr naming the flag), not with a traceback.
+    """
+    parser = server_args_parser()
     args = ServerArgs.from_cli_args(parser.parse_args(argv))
     try:
         return args.resolve()

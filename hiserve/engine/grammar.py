@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # the API process imports this module to validate constraints: no torch there
+    import torch
 
 logger = logging.getLogger(__name__)
 

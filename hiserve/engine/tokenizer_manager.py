@@ -439,14 +439,16 @@ class TokenizerManager:
 
 
 def _load_tokenizer(server_args: ServerArgs, ready: SchedulerReady) -> Any:
-    """The scheduler's tokenizer, rebuilt from its spec (no torch, no gguf); loaded from
-    --tokenizer-path only when the scheduler sent none."""
-    spec = getattr(ready, "tokenizer_spec", None)
-    if spec is not None:
-        return build_tokenizer(spec)
-    from hiserve.models.loader import get_tokenizer
+    """The scheduler's tokenizer, rebuilt from the spec it sent (no torch, no gguf: this
+    process never loads a tokenizer from --tokenizer-path itself).
 
-    return get_tokenizer(server_args.tokenizer_path)
+    Raises:
+        ValueError: `ready` carries no tokenizer spec.
+    """
+    if ready.tokenizer_spec is None:
+        raise ValueError(f"the scheduler sent no tokenizer spec for {server_args.tokenizer_path}; "
+                         f"the API process builds its tokenizer only from one")
+    return build_tokenizer(ready.tokenizer_spec)
 
 
 async def wait_disconnected(request: Any) -> None:
