@@ -176,7 +176,7 @@ class ServerArgs:
         args are frozen and resolving again returns them unchanged.
 
         Detecting the platform imports torch, so the launcher calls this in the scheduler
-        process and sends the frozen result to the API process, which never imports torch.
+        process and sends the frozen result to the API process, which needs no torch.
 
         Args:
             platform: what the machine offers; default: `hardware.detect_platform()` (which

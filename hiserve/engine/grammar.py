@@ -36,10 +36,10 @@ def validate_constraint(kind: str, source: str) -> None:
         ValueError: the message says what is wrong (too long, not JSON, unsupported schema,
             bad regex or grammar).
     """
-    import xgrammar as xgr
-
     if len(source) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"{kind} is {len(source)} characters; at most {MAX_CONSTRAINT_CHARS} are accepted.")
+    import xgrammar as xgr  # imports torch (xgrammar 0.2.9): only once a constraint arrives
+
     try:
         if kind == "json_schema":
             schema = json.loads(source)
