@@ -46,6 +46,7 @@ _IDLE_POLL_MS = 50
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
 _IN_BATCH_PREFIX_MIN = 32
+_STORAGE_NAP_S = 0.001
 
 
 class Scheduler(SchedulerOutputMixin):
@@ -105,6 +106,8 @@ class Scheduler(SchedulerOutputMixin):
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.run_batch(batch)
+        elif self.kv.storage_busy():
+            time.sleep(_STORAGE_NAP_S)  # requests wait on storage: let its worker run
         self.check_cache_events()
 
     def check_cache_events(self) -> None:
@@ -163,6 +166,7 @@ class Scheduler(SchedulerOutputMixin):
             self._send_outputs([req])
             return req
         self.waiting_queue.append(req)
+        self.kv.start_prefetch(req)  # storage pages arrive while it waits in the queue
         return req
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -170,6 +174,7 @@ class Scheduler(SchedulerOutputMixin):
         for req in self.waiting_queue:
             if recv.abort_all or req.rid == recv.rid:
                 req.finished_reason = {"type": "abort", "message": "Abort in waiting queue"}
+                self.kv.cancel_prefetch(req)
                 self._send_outputs([req])
             else:
                 keep.append(req)
@@ -210,6 +215,9 @@ class Scheduler(SchedulerOutputMixin):
             state["host_total_size"] = kv.host_total
             state["host_available_size"] = kv.host_total - kv.host_used
             state["host_used_size"] = kv.host_used
+        storage = self.kv.storage_state()
+        if storage is not None:
+            state["storage"] = storage
         return state
 
     # ================================================================== scheduling
@@ -238,6 +246,8 @@ class Scheduler(SchedulerOutputMixin):
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
+            if not self.kv.prefetch_ready(req):
+                continue  # its prefetch policy holds it in the queue this round
             req.init_next_round_input()
             self.kv.match(req, req.prefix_match_len())
             if self._shares_uncached_prefix(req, adder.can_run):

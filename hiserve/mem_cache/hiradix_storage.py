@@ -180,7 +180,7 @@ class HiRadixStorageMixin:
         written = max(op.stored_pages - op.skipped_pages, 0)
         st.backuped_tokens_total += written * P
         st.backup_bytes_total += written * self._page_bytes_all_kinds()
-        st.backup_seconds.append(op.seconds)
+        st.record("backup", written, op.seconds, written * self._page_bytes_all_kinds())
         if op.error is not None:
             st.failures["worker_error"] += 1
 
@@ -262,7 +262,7 @@ class HiRadixStorageMixin:
     def _fetch_done(self, op: PrefetchOp) -> None:
         op.phase = "done"
         st = self.storage_stats
-        st.prefetch_seconds.append(op.seconds)
+        st.record("prefetch", op.completed_pages, op.seconds, op.completed_pages * self._page_bytes_all_kinds())
         if op.error is not None:
             st.failures["worker_error"] += 1
         if op.cancelled:
@@ -352,6 +352,17 @@ class HiRadixStorageMixin:
         for op in self._prefetch_ops.values():
             assert op.in_worker or op.phase == "done" and op.taken_pages < 0, \
                 f"prefetch op {op.op_id} is neither running nor waiting to be taken"
+
+    def storage_metrics(self) -> dict:
+        """Counters for /metrics (cumulative; `recent`: the latest finished ops, see
+        `StorageOpStats`), failures by reason from the backend and the integration."""
+        st, bs = self.storage_stats, self.storage.backend.stats()
+        cap = self.mem_pool_host.size * self.storage_config.prefetch_host_fraction
+        return {"prefetched_tokens_total": st.prefetched_tokens_total,
+                "backuped_tokens_total": st.backuped_tokens_total,
+                "prefetch_bytes_total": st.prefetch_bytes_total, "backup_bytes_total": st.backup_bytes_total,
+                "failures": dict(bs.failures + st.failures), "recent": list(st.recent),
+                "prefetch_occupied_ratio": self._prefetch_held_tokens() / cap if cap else 0.0}
 
     def storage_state(self) -> dict | None:
         """The backend's state plus this cache's storage counters (None without storage)."""

@@ -364,6 +364,10 @@ class KVManager:
         """Storage ops are in flight (the scheduler may nap instead of spinning)."""
         return self.has_storage and self.prefix_cache.storage.in_flight() > 0
 
+    def storage_metrics(self) -> dict | None:
+        """Storage counters for /metrics (`HiRadixCache.storage_metrics`; None without one)."""
+        return self.prefix_cache.storage_metrics() if self.has_storage else None
+
     def storage_state(self) -> dict | None:
         """The storage backend's state and counters for /get_server_info (None without one)."""
         return self.prefix_cache.storage_state() if self.has_storage else None

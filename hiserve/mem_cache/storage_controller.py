@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 # Pages per batch_get_into call of a prefetch: a cancelled prefetch stops after at most this
 # many more pages, and the completed counter advances this often (SGLang: 8-32 pages).
 DEFAULT_BATCH_PAGES = 16
+# Finished ops kept for the metrics exporter between two stats messages (>= 1 per second).
+RECENT_OPS = 512
 
 
 @dataclass(eq=False)
@@ -120,19 +122,25 @@ class StorageOpStats:
         prefetched_tokens_total: tokens read from storage and inserted into the tree.
         backuped_tokens_total: tokens written to storage (not counting pages already there).
         prefetch_bytes_total, backup_bytes_total: payload bytes of those (every kind).
-        prefetch_seconds, backup_seconds: per finished op, worker wall time (drained by the
-            metrics exporter).
-        failures: count by reason, the backend's (`StorageStats.failures`) plus the
-            integration's own ("worker_error", "host_full", "cancelled").
+        recent: the latest finished ops (at most RECENT_OPS), oldest first, as
+            (seq, "prefetch" | "backup", pages moved, seconds, bytes moved); `seq` counts
+            from 1, so an exporter that remembers the last seq it saw observes each op once.
+        failures: count by reason, the integration's own ("worker_error", "host_full");
+            the backend's are in `StorageStats.failures`.
     """
 
     prefetched_tokens_total: int = 0
     backuped_tokens_total: int = 0
     prefetch_bytes_total: int = 0
     backup_bytes_total: int = 0
-    prefetch_seconds: list[float] = field(default_factory=list)
-    backup_seconds: list[float] = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_OPS))
+    seq: int = 0
     failures: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, pages: int, seconds: float, nbytes: int) -> None:
+        """Remember one finished op for the metrics exporter."""
+        self.seq += 1
+        self.recent.append((self.seq, kind, pages, seconds, nbytes))
 
 
 class StorageController:
