@@ -9,6 +9,8 @@ requests are retracted back to the waiting queue (their KV goes to the radix cac
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 import traceback
 from typing import Any, Optional
@@ -411,7 +413,6 @@ def _die_with_parent() -> None:
     scheduler would otherwise hold the model and the KV pool forever."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -429,4 +430,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
         pipe_writer.send(f"scheduler failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return
     pipe_writer.send(scheduler.ready_message())
-    scheduler.event_loop()
+    # SIGTERM (the launcher stopping us) leaves through SystemExit so the storage worker is
+    # stopped cleanly: the op it is running finishes, queued backups are dropped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        scheduler.event_loop()
+    finally:
+        scheduler.model_runner.kv_hierarchy.close(run_queued=False)

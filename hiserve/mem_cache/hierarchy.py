@@ -97,11 +97,11 @@ class KVHierarchy:
     controller: object | None = None
     storage: object | None = None
 
-    def close(self) -> None:
-        """Stop the storage worker (after its queued ops) and release the host pool's
-        registered memory (CUDA); safe to call twice."""
+    def close(self, run_queued: bool = True) -> None:
+        """Stop the storage worker (after its queued ops, unless `run_queued` is False: a
+        process exit) and release the host pool's registered memory (CUDA); idempotent."""
         if self.storage is not None:
-            self.storage.close()
+            self.storage.close(run_queued=run_queued, timeout=60.0 if run_queued else 3.0)
         if self.host_pool is not None:
             self.host_pool.close()
 

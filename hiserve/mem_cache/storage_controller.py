@@ -159,6 +159,7 @@ class StorageController:
         self._in_flight = 0  # scheduler thread only: submitted, not yet returned by poll()
         self._errors_logged: set[str] = set()
         self._closed = False
+        self._skip_queued = False
         self._thread = threading.Thread(target=self._run, name="hicache-storage", daemon=True)
         self._thread.start()
 
@@ -205,13 +206,21 @@ class StorageController:
                 self._tasks.all_tasks_done.wait(left)
         return True
 
-    def close(self) -> None:
-        """Stop the worker after the ops already queued, then close the backend (idempotent)."""
+    def close(self, run_queued: bool = True, timeout: float = 60.0) -> None:
+        """Stop the worker, then close the backend (idempotent).
+
+        Args:
+            run_queued: finish the ops already queued first; False (process exit) skips
+                them, so only the op running now is waited for (storage is a cache: a
+                skipped backup is a later miss, and a file write is atomic anyway).
+            timeout: seconds to wait for the worker (it is a daemon thread either way).
+        """
         if self._closed:
             return
         self._closed = True
+        self._skip_queued = not run_queued
         self._tasks.put(None)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=timeout)
         self.backend.close()
 
     # ------------------------------------------------------------------ worker thread
@@ -222,6 +231,8 @@ class StorageController:
             try:
                 if op is None:
                     return
+                if self._skip_queued:
+                    continue
                 t0 = time.perf_counter()
                 try:
                     self._execute(op)
