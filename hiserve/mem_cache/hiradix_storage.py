@@ -66,12 +66,17 @@ class HiRadixStorageMixin:
         self.storage_namespace = namespace
         self.storage_config = config or StorageConfig()
         self.storage_stats = StorageOpStats()
+        self._prefetch_ops: dict[int, PrefetchOp] = {}
 
     def _reset_storage(self) -> None:
-        """Drop every op (after the worker has finished them); slots go with the host pool's clear."""
+        """Cancel the prefetches, let the worker finish every op and account for them; the
+        slots go with the host pool's clear (the caller's next step)."""
         if self.storage is not None:
-            self.storage.wait_idle()
-            self.storage.poll()
+            for op in self._prefetch_ops.values():
+                op.cancelled = True
+            while self.storage.in_flight():
+                self.storage.wait_idle()
+                self._storage_poll([])
         self._storage_pins: dict[int, list["TreeNode"]] = {}  # op id -> pinned nodes
         self._prefetch_ops: dict[int, PrefetchOp] = {}
         self._deferred_host: list[tuple[set[int], torch.Tensor]] = []
