@@ -37,6 +37,10 @@ Locks and transfers:
   (`host_ref`) so host eviction cannot drop it.
 
 Host-only nodes are never locked: locks are taken on device nodes and walk upwards only.
+
+With a storage tier (L3) the mixin in hiradix_storage.py adds page keys per node, a
+write-through to storage once a node's host write is acknowledged (host pages pinned while
+the storage worker reads them), and prefetches from storage that insert host-only nodes.
 """
 
 from __future__ import annotations

@@ -231,7 +231,9 @@ class StorageController:
             try:
                 if op is None:
                     return
-                if self._skip_queued:
+                if self._skip_queued:  # closing: hand it back undone (a miss)
+                    op.error = "storage closed"
+                    self._done.put(op)
                     continue
                 t0 = time.perf_counter()
                 try:

@@ -303,3 +303,23 @@ def test_host_eviction_skips_pages_a_backup_still_reads(tmp_path):
     settle(kv)
     assert cache.evict_host(cache.host_total_size()) == 40
     _all_freed(kv)
+
+
+def test_close_at_exit_finishes_the_running_op_and_hands_queued_ones_back(tmp_path):
+    import threading
+
+    kv = make_storage_kv(tmp_path, backend_cls=WriteGatedFileStorage)
+    storage, ns = kv.prefix_cache.storage, kv.prefix_cache.storage_namespace
+    first, second = BackupOp([f"{ns}/aa"], [0]), BackupOp([f"{ns}/bb"], [1])
+    storage.submit(first)
+    storage.submit(second)
+    time.sleep(0.1)  # the worker is inside first's batch_set_from, waiting for its permit
+    closer = threading.Thread(target=storage.close, kwargs={"run_queued": False, "timeout": 10})
+    closer.start()
+    time.sleep(0.05)
+    backend(kv).permits.release()
+    closer.join(10)
+    assert not storage._thread.is_alive()
+    assert storage.poll() == [first, second] and storage.in_flight() == 0
+    assert first.stored_pages == 1 and first.error is None
+    assert second.stored_pages == 0 and second.error == "storage closed"
