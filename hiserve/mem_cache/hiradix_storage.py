@@ -187,7 +187,15 @@ class HiRadixStorageMixin:
         st.backup_bytes_total += written * self._page_bytes_all_kinds()
         st.record("backup", written, op.seconds, written * self._page_bytes_all_kinds())
         if op.error is not None:
-            st.failures["worker_error"] += 1
+            self._storage_failure("worker_error", op.error)
+
+    def _storage_failure(self, reason: str, detail: str) -> None:
+        """Count a failure of the integration by reason; log the first of each (a miss)."""
+        failures = self.storage_stats.failures
+        if reason not in failures:
+            logger.warning("storage tier: %s (%s); counted as a miss, further %r failures are counted "
+                           "without logging", reason, detail, reason)
+        failures[reason] += 1
 
     def _page_bytes_all_kinds(self) -> int:
         return sum(k.page_bytes for k in self.mem_pool_host.kinds)
@@ -236,7 +244,7 @@ class HiRadixStorageMixin:
 
     def _exists_done(self, op: PrefetchOp) -> None:
         if op.error is not None:
-            self.storage_stats.failures["worker_error"] += 1
+            self._storage_failure("worker_error", op.error)
         if op.cancelled:
             self._settle(op)
             return
@@ -252,7 +260,7 @@ class HiRadixStorageMixin:
             self.evict_host(need - self.mem_pool_host.available_size())
             slots = self.mem_pool_host.alloc(need)
         if slots is None:
-            self.storage_stats.failures["host_full"] += 1
+            self._storage_failure("host_full", f"no {need} host slots for a prefetch")
             self._prefetch_miss(op)
             return
         op.host_slots = slots
@@ -269,7 +277,7 @@ class HiRadixStorageMixin:
         st = self.storage_stats
         st.record("prefetch", op.completed_pages, op.seconds, op.completed_pages * self._page_bytes_all_kinds())
         if op.error is not None:
-            st.failures["worker_error"] += 1
+            self._storage_failure("worker_error", op.error)
         if op.cancelled:
             self._settle(op)
 

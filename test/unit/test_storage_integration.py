@@ -323,3 +323,43 @@ def test_close_at_exit_finishes_the_running_op_and_hands_queued_ones_back(tmp_pa
     assert storage.poll() == [first, second] and storage.in_flight() == 0
     assert first.stored_pages == 1 and first.error is None
     assert second.stored_pages == 0 and second.error == "storage closed"
+
+
+def _path_keys(kv, tokens: list[int]) -> list[str]:
+    """The page keys the tree holds along `tokens` (root first)."""
+    cache, node, keys = kv.prefix_cache, kv.prefix_cache.root_node, []
+    while tokens:
+        node = node.children[cache._child_key(tokens)]
+        keys += node.storage_keys
+        tokens = tokens[len(node.key):]
+    return keys
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_keys_states_and_pins_survive_node_splits(tmp_path, in_flight):
+    from hiserve.mem_cache.storage.keys import page_keys
+
+    kv = make_storage_kv(tmp_path, backend_cls=WriteGatedFileStorage)
+    cache, ns = kv.prefix_cache, kv.prefix_cache.storage_namespace
+    d = HiDriver(kv)
+    d.run(FakeReq(list(PROMPT)), decode_steps=0)
+    kv.poll()  # the backup of the 40-token node is queued (and waits for its permit)
+    if not in_flight:
+        backend(kv).permits.release()
+        settle(kv)
+        assert [n.storage_state for n in cache._nodes()] == ["stored"]
+    other = PROMPT[:20] + list(range(500, 521))  # shares 5 pages, then diverges: a split
+    d.run(FakeReq(other), decode_steps=0)
+    kv.check_integrity()
+    for tokens in (PROMPT[:40], other[:40]):
+        assert _path_keys(kv, tokens) == page_keys(tokens, 4, ns)
+    halves = [n for n in cache._nodes() if n.key[:4] == PROMPT[:4] or n.key[:4] == PROMPT[20:24]]
+    assert len(halves) == 2 and len({n.storage_state for n in halves}) == 1
+    if in_flight:
+        assert all(n.storage_ops for n in halves)  # the upper half joined the pin
+    for _ in range(3):
+        backend(kv).permits.release()
+    settle(kv)
+    assert all(n.storage_state == "stored" for n in cache._nodes())
+    assert backend(kv).stats().pages_written == 15
+    _all_freed(kv)
