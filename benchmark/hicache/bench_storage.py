@@ -198,6 +198,7 @@ def main() -> int:
     parser.add_argument("--page-sizes", type=int, nargs="+", default=PAGE_SIZES)
     parser.add_argument("--target-mb", type=float, default=256.0, help="payload per case, MB")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. machine load)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmark/results/cpu_storage_<backend>.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -210,7 +211,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(extra.get("file_storage_path", tempfile.gettempdir())),
-        "backend": args.backend, "extra_config": extra, "settings": vars(args), "torch_threads": 1,
+        "run_note": args.note, "backend": args.backend, "extra_config": extra, "settings": vars(args), "torch_threads": 1,
         "note": "MB = 10**6 bytes of payload; medians of --reps after one warm-up; 'read' is served "
                 "from the OS page cache for the file backend; 'read_cold' after fsync + "
                 "POSIX_FADV_DONTNEED per file (a VM's host cache may still serve it)",

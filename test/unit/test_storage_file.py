@@ -262,6 +262,23 @@ def test_directory_that_is_a_file_never_raises(tmp_path):
     assert backend.batch_exists(keys) == 0 and backend.batch_get_into(keys, [0, 1]) == 0
     assert backend.stats().failures["io_error"] == 1
     backend.clear()
+    blocker.unlink()  # the path becomes usable: the backend retries opening it, rate-limited
+    assert backend.batch_set_from(keys, [0, 1]) == 0
+    backend._opened_at -= 60
+    assert backend.batch_set_from(keys, [0, 1]) == 2 and backend.batch_exists(keys) == 2
+
+
+def test_directory_removed_while_running_is_recreated(tmp_path):
+    import shutil
+
+    host = make_host()
+    backend = store(tmp_path, host)
+    keys = keys_for(backend.namespace, 3)
+    assert backend.batch_set_from(keys[:1], [0]) == 1
+    shutil.rmtree(backend.directory)
+    assert backend.batch_exists(keys) == 0 and backend.batch_get_into(keys[:1], [4]) == 0
+    assert backend.batch_set_from(keys, [0, 1, 2]) == 3 and backend.batch_exists(keys) == 3
+    assert not backend.stats().failures
 
 
 def test_read_failure_returns_fewer_pages(tmp_path, monkeypatch):

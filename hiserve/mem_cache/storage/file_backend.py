@@ -52,6 +52,7 @@ HEADER = struct.Struct("<8sHHQI")  # magic, version, key length, payload bytes, 
 ENV_STORAGE_DIR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_DIR_NAME = "hiserve_hicache"
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old has no live writer (it renames within ms)
+REOPEN_SECONDS = 5.0  # after a failed start, retry creating the directory at most this often
 _HASH_RE = re.compile(r"[0-9A-Za-z_-]+")
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
@@ -132,6 +133,15 @@ class FileStorage(HiCacheStorage):
         self._lock = threading.Lock()  # guards _lru / bytes_used against state() readers
         self._tmp_suffix = f".{os.getpid()}.{threading.get_ident()}.tmp"
         self._ready = self._open_directory()
+        self._opened_at = time.monotonic()
+
+    def _usable(self) -> bool:
+        """The directory is open; after a failed start, retried every REOPEN_SECONDS (a
+        mount that appears later starts working without a restart)."""
+        if not self._ready and time.monotonic() - self._opened_at >= REOPEN_SECONDS:
+            self._opened_at = time.monotonic()
+            self._ready = self._open_directory()
+        return self._ready
 
     # ------------------------------------------------------------------ layout
 
@@ -149,6 +159,9 @@ class FileStorage(HiCacheStorage):
 
     def _file_size(self, h: str, kind: str) -> int:
         return HEADER.size + len(self._object_key(h, kind)) + self.page_bytes
+
+    def _page_size_on_disk(self, h: str) -> int:
+        return sum(self._file_size(h, kind) for kind in self.kinds)
 
     def _open_directory(self) -> bool:
         """Create the namespace directory and seed size and recency from the files in it."""
@@ -171,9 +184,10 @@ class FileStorage(HiCacheStorage):
         except OSError as exc:
             self._fail(os_error_reason(exc), f"cannot open {self.directory}: {exc}")
             return False
-        for h, (nbytes, _) in sorted(pages.items(), key=lambda kv: kv[1][1]):
-            self._lru[h] = int(nbytes)
-            self.bytes_used += int(nbytes)
+        with self._lock:
+            for h, (nbytes, _) in sorted(pages.items(), key=lambda kv: kv[1][1]):
+                self._lru[h] = int(nbytes)
+                self.bytes_used += int(nbytes)
         return True
 
     @staticmethod
@@ -260,7 +274,7 @@ class FileStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str]) -> int:
         """Leading keys whose every kind file exists with the right size (os.stat per file;
         contents are verified on read). I/O errors count and end the run of hits."""
-        if not self._ready:
+        if not self._usable():
             return 0
         n = 0
         try:
@@ -277,14 +291,14 @@ class FileStorage(HiCacheStorage):
         missing, unreadable or fails verification. Returns leading pages now valid."""
         if len(keys) != len(host_pages):
             raise ValueError(f"batch_get_into: {len(keys)} keys but {len(host_pages)} host pages")
-        if not self._ready:
+        if not self._usable():
             return 0
         t0, done = time.perf_counter(), 0
         for key, page in zip(keys, host_pages):
             h = self._hash(key)
             if not all(self._read_kind(h, kind, page) for kind in self.kinds):
                 break
-            self._touch(h)
+            self._touch(h, self._page_size_on_disk(h))  # also adopts pages another process wrote
             done += 1
         self._count(pages_read=done, bytes_read=done * self.page_bytes * len(self.kinds),
                     read_seconds=time.perf_counter() - t0)
@@ -335,14 +349,14 @@ class FileStorage(HiCacheStorage):
         count as stored). Stops at the first failure. Returns pages stored."""
         if len(keys) != len(host_pages):
             raise ValueError(f"batch_set_from: {len(keys)} keys but {len(host_pages)} host pages")
-        if not self._ready:
+        if not self._usable():
             return 0
         t0, stored, written, skipped = time.perf_counter(), 0, 0, 0
         try:
             for key, page in zip(keys, host_pages):
                 h = self._hash(key)
                 if self._page_present(h):
-                    self._touch(h, sum(self._file_size(h, k) for k in self.kinds))
+                    self._touch(h, self._page_size_on_disk(h))
                     skipped += 1
                 elif self._write_page(h, page):
                     written += 1
@@ -357,7 +371,7 @@ class FileStorage(HiCacheStorage):
         return stored
 
     def _write_page(self, h: str, page: int) -> bool:
-        nbytes = sum(self._file_size(h, kind) for kind in self.kinds)
+        nbytes = self._page_size_on_disk(h)
         self._forget(h)  # a page with only some kinds on disk is rewritten whole
         if not self._make_room(nbytes):
             return False
@@ -377,7 +391,12 @@ class FileStorage(HiCacheStorage):
         header = HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(mv), zlib.crc32(mv)) + key
         tmp = os.path.join(self.directory, f".{h}.{kind}{self._tmp_suffix}")
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            try:
+                f = open(tmp, "wb", buffering=0)
+            except FileNotFoundError:  # the directory was removed under us: recreate it once
+                os.makedirs(self.directory, exist_ok=True)
+                f = open(tmp, "wb", buffering=0)
+            with f:
                 _write_all(f, header)
                 _write_all(f, mv)
                 if self.fsync:
