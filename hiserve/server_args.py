@@ -27,6 +27,8 @@ _CUDA_DEFAULT_CUDA_GRAPH_MAX_BS = 160
 HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
+HICACHE_STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def _arg(default: Any, help: str, **kwargs: Any) -> Any:
@@ -144,6 +146,25 @@ class ServerArgs:
         "synchronous copies.", choices=HICACHE_IO_BACKENDS)
     hicache_write_policy: str = _arg(
         "write_through", "When device KV is backed up to the host.", choices=HICACHE_WRITE_POLICIES)
+    hicache_storage_backend: Optional[str] = _arg(
+        None, "Third tier (L3) under the host pool (needs --enable-hierarchical-cache): pages whose "
+        "host write completed are written through to it, and a queued request's prefix past the "
+        "cached part is prefetched from it into the host pool. file: one file per page and KV kind "
+        "under extra config file_storage_path (or $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else a "
+        "folder in the system temp dir); mooncake: a Mooncake Store shared by replicas. A storage "
+        "failure is a miss (counted), never a failed request. /flush_cache keeps its pages.",
+        choices=HICACHE_STORAGE_BACKENDS)
+    hicache_storage_prefetch_policy: str = _arg(
+        "timeout", "When a request whose prefetch from storage is still running may start: "
+        "best_effort (at once, with the pages that have arrived), wait_complete (when all have "
+        "arrived), timeout (when all have arrived or after prefetch_timeout_base + "
+        "prefetch_timeout_per_ki_token * tokens / 1024 seconds).",
+        choices=HICACHE_STORAGE_PREFETCH_POLICIES)
+    hicache_storage_backend_extra_config: Optional[str] = _arg(
+        None, "JSON object (or @path to a JSON file) with SGLang's keys: file_storage_path, "
+        "storage_size_cap_gb (file); master_server_address, metadata_server, protocol, "
+        "global_segment_size, local_hostname (mooncake); prefetch_threshold (tokens, 256), "
+        "prefetch_timeout_base (s, 1.0), prefetch_timeout_per_ki_token (s, 0.25), storage_op_timeout (s).")
 
     # Debugging
     enable_cache_integrity_check: bool = _arg(
@@ -246,8 +267,34 @@ class ServerArgs:
             if self.hicache_ratio <= 1.0 and self.hicache_size == 0:
                 raise ValueError(f"--hicache-ratio must be > 1 (host pool larger than device pool), "
                                  f"got {self.hicache_ratio}")
+        self._resolve_storage()
         object.__setattr__(self, "_frozen", True)
         return self
+
+    def _resolve_storage(self) -> None:
+        """The storage tier's rules; without --hicache-storage-backend nothing changes.
+
+        A storage backend without --enable-hierarchical-cache is refused rather than enabling
+        the host tier for the user: it would allocate a host pool (--hicache-ratio x the device
+        pool) nobody sized, and SGLang requires the flag too. `layer_first` becomes page_first
+        (page_first_direct with --hicache-io-backend direct): storage moves one contiguous
+        object per page (SGLang converts it the same way for mooncake).
+        """
+        if self.hicache_storage_backend is None:
+            return
+        if not self.enable_hierarchical_cache:
+            raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend} needs "
+                             f"--enable-hierarchical-cache (storage reads and writes host-pool pages)")
+        from hiserve.mem_cache.storage import parse_extra_config
+        from hiserve.mem_cache.storage_controller import StorageConfig
+
+        extra = parse_extra_config(self.hicache_storage_backend_extra_config)  # errors name the flag
+        StorageConfig.from_extra_config(self.hicache_storage_prefetch_policy, extra)
+        if self.hicache_mem_layout == "layer_first":
+            self.hicache_mem_layout = "page_first_direct" if self.hicache_io_backend == "direct" else "page_first"
+            logger.info("--hicache-mem-layout layer_first with --hicache-storage-backend %s -> %s: storage "
+                        "moves one contiguous object per page", self.hicache_storage_backend,
+                        self.hicache_mem_layout)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Frozen once resolved: every process reads the same resolved values.

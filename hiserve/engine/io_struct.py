@@ -67,6 +67,8 @@ class SchedulerStats:
     hicache_host_total_tokens: int = 0
     backed_up_tokens_total: int = 0
     loaded_back_tokens_total: int = 0
+    # Storage tier (None when it is off): `KVManager.storage_metrics()`.
+    storage: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -101,6 +103,7 @@ class BatchTokenIDOut:
     cached_tokens_device: list[int]
     cached_tokens_host: list[int]
     stats: Optional[SchedulerStats] = None
+    cached_tokens_storage: list[int] = field(default_factory=list)  # empty without a storage tier
     logprobs: list[Optional[LogprobChunk]] = field(default_factory=list)  # per entry, when any asked
 
 

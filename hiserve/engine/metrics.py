@@ -24,6 +24,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerMetrics:
     def __init__(self, model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -54,7 +55,7 @@ class ServerMetrics:
         # Per request.
         self.prompt_tokens = counter("sglang:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("sglang:generation_tokens_total", "Generated tokens.")
-        self.cached_tokens = counter("sglang:cached_tokens_total", "Prompt tokens served from the cache.")
+        self._init_cache_source_metrics(labels)
         self.cached_tokens_device = counter("sglang:cached_tokens_device_total",
                                             "Prompt tokens served from the device cache.")
         self.cached_tokens_host = counter("sglang:cached_tokens_host_total",
@@ -88,18 +89,81 @@ class ServerMetrics:
         if s.loaded_back_tokens_total > self._loaded_back_seen:
             self.load_back_tokens.inc(s.loaded_back_tokens_total - self._loaded_back_seen)
             self._loaded_back_seen = s.loaded_back_tokens_total
+        self._update_storage_stats(s.storage)
 
     def observe_finished(self, prompt_tokens: int, completion_tokens: int, cached_device: int,
-                         cached_host: int, e2e_latency: float, aborted: bool) -> None:
+                         cached_host: int, e2e_latency: float, aborted: bool, cached_storage: int = 0) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
-        self.cached_tokens.inc(cached_device + cached_host)
+        self._observe_cached(cached_device, cached_host, cached_storage)
         self.cached_tokens_device.inc(cached_device)
         self.cached_tokens_host.inc(cached_host)
         self.num_requests.inc()
         if aborted:
             self.num_aborted_requests.inc()
         self.e2e.observe(e2e_latency)
+
+    # ---- cached tokens by tier, and the storage tier (L3) -------------------------------------
+
+    def _init_cache_source_metrics(self, labels: list[str]) -> None:
+        """`sglang:cached_tokens_total` by `cache_source` (device, host, storage; SGLang's label)
+        and SGLang's storage metrics (StorageMetricsCollector's names), plus hiserve's bytes,
+        durations and failures by reason. Storage series appear once a storage tier reports."""
+        reg, name = self.registry, labels
+        self.cached_tokens = Counter("sglang:cached_tokens_total", "Prompt tokens served from the cache, "
+                                     "by the tier they came from.", name + ["cache_source"], registry=reg)
+        self._storage_seen: dict[str, float] = {}
+        self._storage_seq = 0
+        io, bw = (1, 5, 10, 50, 100), (0.1, 0.5, 1, 5, 10, 50, 100)
+        secs = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
+        self.storage_counters = {
+            "prefetched_tokens_total": Counter("sglang:prefetched_tokens_total",
+                                               "Prompt tokens prefetched from storage into the tree.", name, registry=reg),
+            "backuped_tokens_total": Counter("sglang:backuped_tokens_total",
+                                             "Tokens written to storage (pages already there not counted).",
+                                             name, registry=reg),
+            "prefetch_bytes_total": Counter("sglang:storage_prefetch_bytes_total",
+                                            "Bytes read from storage for prefetched tokens.", name, registry=reg),
+            "backup_bytes_total": Counter("sglang:storage_backup_bytes_total", "Bytes written to storage.",
+                                          name, registry=reg)}
+        self.storage_failures = Counter("sglang:storage_failures_total", "Storage failures (each a miss), by reason.",
+                                        name + ["reason"], registry=reg)
+        hist = {"pgs": ("sglang:{}_pgs", "Histogram of {} pages of batches.", io),
+                "bandwidth": ("sglang:{}_bandwidth", "Histogram of {} bandwidth in GB/s.", bw),
+                "seconds": ("sglang:storage_{}_duration_seconds", "Storage {} op duration in seconds.", secs)}
+        self.storage_hist = {(kind, h): Histogram(n.format(kind), d.format(kind), name, buckets=b, registry=reg)
+                             for kind in ("prefetch", "backup") for h, (n, d, b) in hist.items()}
+        self.prefetch_occupied_ratio = Gauge("sglang:prefetch_occupied_ratio", "Host slots prefetches hold / "
+                                             "their cap (half the host pool).", name, registry=reg)
+
+    def _observe_cached(self, device: int, host: int, storage: int) -> None:
+        for source, n in (("device", device), ("host", host), ("storage", storage)):
+            self.cached_tokens.labels(self.model_name, source).inc(n)
+
+    def _update_storage_stats(self, storage: dict | None) -> None:
+        """Advance the storage counters to the scheduler's totals; observe each new op once."""
+        if not storage:
+            return
+        m = self.model_name
+        for key, counter in self.storage_counters.items():
+            seen = self._storage_seen.get(key, 0)
+            if storage[key] > seen:
+                counter.labels(m).inc(storage[key] - seen)
+                self._storage_seen[key] = storage[key]
+        for reason, n in storage["failures"].items():
+            seen = self._storage_seen.get("failures:" + reason, 0)
+            if n > seen:
+                self.storage_failures.labels(m, reason).inc(n - seen)
+                self._storage_seen["failures:" + reason] = n
+        for seq, kind, pages, seconds, nbytes in storage["recent"]:
+            if seq <= self._storage_seq:
+                continue
+            self._storage_seq = seq
+            self.storage_hist[(kind, "pgs")].labels(m).observe(pages)
+            self.storage_hist[(kind, "seconds")].labels(m).observe(seconds)
+            if seconds > 0 and nbytes:
+                self.storage_hist[(kind, "bandwidth")].labels(m).observe(nbytes / seconds / 1e9)
+        self.prefetch_occupied_ratio.labels(m).set(storage["prefetch_occupied_ratio"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -129,7 +129,19 @@ class ModelRunner:
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size,
             hicache_mem_layout=args.hicache_mem_layout, hicache_io_backend=args.hicache_io_backend,
-            hicache_write_policy=args.hicache_write_policy)
+            hicache_write_policy=args.hicache_write_policy,
+            hicache_storage_backend=args.hicache_storage_backend,
+            hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+            hicache_storage_extra_config=args.hicache_storage_backend_extra_config,
+            model_identity=self._model_identity())
+
+    def _model_identity(self) -> str:
+        """What makes this model's KV bytes (storage keys are namespaced by it, with the KV
+        dtype and shapes): the model path (a GGUF file's own path), the weight format, and
+        the seed of generated weights."""
+        args = self.server_args
+        ident = f"{args.model_path}|quantization={args.quantization}|load_format={args.load_format}"
+        return ident + (f"|seed={args.random_seed}" if args.load_format == "dummy" else "")
 
     def _profile_max_total_tokens(self, spec: KVSpec) -> int:
         args = self.server_args

@@ -21,7 +21,7 @@ class ReqState:
 
     __slots__ = ("rid", "parent_rid", "index", "stream", "stop_strs", "no_stop_trim", "event", "dirty",
                  "log_metrics", "detok", "shown", "final_text", "finish_reason", "prompt_tokens",
-                 "completion_tokens", "cached_device", "cached_host", "created", "first_token_at",
+                 "completion_tokens", "cached_device", "cached_host", "cached_storage", "created", "first_token_at",
                  "last_token_at", "finished_at", "logprobs")
 
     def __init__(self, req: TokenizedGenerateReqInput, parent_rid: str, index: int, tokenizer: Any,
@@ -44,6 +44,7 @@ class ReqState:
         self.completion_tokens = 0
         self.cached_device = 0
         self.cached_host = 0
+        self.cached_storage: Optional[int] = None  # None: the server has no storage tier
         self.created = time.monotonic()
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
@@ -68,7 +69,14 @@ class ReqState:
 
     @property
     def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host
+        return self.cached_device + self.cached_host + (self.cached_storage or 0)
+
+    def cached_tokens_details(self) -> dict[str, int]:
+        """Cached prompt tokens by tier; "storage" only on a server with a storage tier (as SGLang)."""
+        details = {"device": self.cached_device, "host": self.cached_host}
+        if self.cached_storage is not None:
+            details["storage"] = self.cached_storage
+        return details
 
     def meta_info(self) -> dict[str, Any]:
         meta = {
@@ -77,7 +85,7 @@ class ReqState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "cached_tokens_details": {"device": self.cached_device, "host": self.cached_host},
+            "cached_tokens_details": self.cached_tokens_details(),
             "weight_version": "default",
         }
         if self.finished_at is not None:

@@ -9,6 +9,8 @@ requests are retracted back to the waiting queue (their KV goes to the radix cac
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 import traceback
 from typing import Any, Optional
@@ -46,6 +48,7 @@ _IDLE_POLL_MS = 50
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
 _IN_BATCH_PREFIX_MIN = 32
+_STORAGE_NAP_S = 0.001
 
 
 class Scheduler(SchedulerOutputMixin):
@@ -105,6 +108,8 @@ class Scheduler(SchedulerOutputMixin):
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.run_batch(batch)
+        elif self.kv.storage_busy():
+            time.sleep(_STORAGE_NAP_S)  # requests wait on storage: let its worker run
         self.check_cache_events()
 
     def check_cache_events(self) -> None:
@@ -163,6 +168,7 @@ class Scheduler(SchedulerOutputMixin):
             self._send_outputs([req])
             return req
         self.waiting_queue.append(req)
+        self.kv.start_prefetch(req)  # storage pages arrive while it waits in the queue
         return req
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -170,6 +176,7 @@ class Scheduler(SchedulerOutputMixin):
         for req in self.waiting_queue:
             if recv.abort_all or req.rid == recv.rid:
                 req.finished_reason = {"type": "abort", "message": "Abort in waiting queue"}
+                self.kv.cancel_prefetch(req)
                 self._send_outputs([req])
             else:
                 keep.append(req)
@@ -210,6 +217,9 @@ class Scheduler(SchedulerOutputMixin):
             state["host_total_size"] = kv.host_total
             state["host_available_size"] = kv.host_total - kv.host_used
             state["host_used_size"] = kv.host_used
+        storage = self.kv.storage_state()
+        if storage is not None:
+            state["storage"] = storage
         return state
 
     # ================================================================== scheduling
@@ -238,6 +248,8 @@ class Scheduler(SchedulerOutputMixin):
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
+            if not self.kv.prefetch_ready(req):
+                continue  # its prefetch policy holds it in the queue this round
             req.init_next_round_input()
             self.kv.match(req, req.prefix_match_len())
             if self._shares_uncached_prefix(req, adder.can_run):
@@ -401,7 +413,6 @@ def _die_with_parent() -> None:
     scheduler would otherwise hold the model and the KV pool forever."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -419,4 +430,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
         pipe_writer.send(f"scheduler failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return
     pipe_writer.send(scheduler.ready_message())
-    scheduler.event_loop()
+    # SIGTERM (the launcher stopping us) leaves through SystemExit so the storage worker is
+    # stopped cleanly: the op it is running finishes, queued backups are dropped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        scheduler.event_loop()
+    finally:
+        scheduler.model_runner.kv_hierarchy.close(run_queued=False)

@@ -42,6 +42,8 @@ class SchedulerOutputMixin:
             out.completion_tokens.append(n_report)
             out.cached_tokens_device.append(req.kv.cached_tokens_device)
             out.cached_tokens_host.append(req.kv.cached_tokens_host)
+            if self.kv.has_storage:
+                out.cached_tokens_storage.append(req.kv.cached_tokens_storage)
         if out.rids:
             self._emit(out)
 
@@ -80,6 +82,7 @@ class SchedulerOutputMixin:
             s.hicache_host_total_tokens = kv.host_total
             s.backed_up_tokens_total = kv.backed_up_tokens_total
             s.loaded_back_tokens_total = kv.loaded_back_tokens_total
+        s.storage = self.kv.storage_metrics()
         return s
 
     def _log_prefill(self, reqs: list[Req], extend_lens: list[int]) -> None:

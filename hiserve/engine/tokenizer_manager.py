@@ -304,7 +304,8 @@ class TokenizerManager:
                     self._send(AbortReq(rid=st.rid))
                     if st.log_metrics:
                         self.metrics.observe_finished(st.prompt_tokens, st.completion_tokens, st.cached_device,
-                                                      st.cached_host, now - st.created, aborted=True)
+                                                      st.cached_host, now - st.created, aborted=True,
+                                                      cached_storage=st.cached_storage or 0)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -348,6 +349,8 @@ class TokenizerManager:
         st.completion_tokens = out.completion_tokens[i]
         st.cached_device = out.cached_tokens_device[i]
         st.cached_host = out.cached_tokens_host[i]
+        if out.cached_tokens_storage:
+            st.cached_storage = out.cached_tokens_storage[i]
         if st.logprobs is not None and out.logprobs:
             st.logprobs.add(out.logprobs[i])
         st.update(new_ids, out.finished_reasons[i], now)
@@ -357,7 +360,8 @@ class TokenizerManager:
             if st.log_metrics:
                 self.metrics.observe_finished(
                     st.prompt_tokens, st.completion_tokens, st.cached_device, st.cached_host,
-                    now - st.created, aborted=st.finish_reason["type"] == "abort")
+                    now - st.created, aborted=st.finish_reason["type"] == "abort",
+                    cached_storage=st.cached_storage or 0)
         if st.stream or st.finished:
             st.event.set()
 

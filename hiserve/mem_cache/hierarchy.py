@@ -7,6 +7,7 @@ controller + prefix cache out.
         allocator                TokenToKVPoolAllocator    free device pages
         host_pool                MHA/MLATokenToKVPoolHost  L2 (with the hierarchical cache)
         controller               HiCacheController         L1 ⇄ L2 copies
+        storage                  StorageController         L2 ⇄ L3 (with a storage backend)
         cache                    ChunkCache | RadixCache | HiRadixCache
 
 The model runner only says how many device tokens fit (`cell_size_bytes` and
@@ -47,6 +48,12 @@ class KVSpec:
         enable_hierarchical_cache: back the device pool with a host pool (HiRadixCache).
         hicache_ratio, hicache_size: host pool size (x device pool, or GB per rank when > 0).
         hicache_mem_layout, hicache_io_backend, hicache_write_policy: see --help.
+        hicache_storage_backend: "file" / "mooncake" / None (no L3).
+        hicache_storage_prefetch_policy: best_effort / wait_complete / timeout.
+        hicache_storage_extra_config: the JSON text (or "@file") of
+            --hicache-storage-backend-extra-config, or None.
+        model_identity: what names the model's KV in storage keys (model path incl. the
+            GGUF file, weight format, seed of dummy weights).
     """
 
     num_tokens: int
@@ -67,6 +74,10 @@ class KVSpec:
     hicache_mem_layout: str = "page_first"
     hicache_io_backend: str = "kernel"
     hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_extra_config: str | None = None
+    model_identity: str = ""
 
     @property
     def is_mla(self) -> bool:
@@ -84,9 +95,13 @@ class KVHierarchy:
     cache: PrefixCache
     host_pool: object | None = None
     controller: object | None = None
+    storage: object | None = None
 
-    def close(self) -> None:
-        """Release the host pool's registered memory (CUDA); safe to call twice."""
+    def close(self, run_queued: bool = True) -> None:
+        """Stop the storage worker (after its queued ops, unless `run_queued` is False: a
+        process exit) and release the host pool's registered memory (CUDA); idempotent."""
+        if self.storage is not None:
+            self.storage.close(run_queued=run_queued, timeout=60.0 if run_queued else 3.0)
         if self.host_pool is not None:
             self.host_pool.close()
 
@@ -123,7 +138,27 @@ def _device_pool(spec: KVSpec, size: int) -> KVCache:
                             spec.layer_num, spec.device)
 
 
-def _hierarchical_cache(spec: KVSpec, device_pool: KVCache) -> tuple[PrefixCache, object, object]:
+def _storage_tier(spec: KVSpec, host_pool) -> tuple[object | None, str, object | None]:
+    """The storage worker around a backend (`storage.create_storage`), its key namespace
+    and its config; (None, "", None) without --hicache-storage-backend."""
+    if spec.hicache_storage_backend is None:
+        return None, "", None
+    from hiserve.mem_cache.storage import create_storage, parse_extra_config
+    from hiserve.mem_cache.storage.keys import storage_namespace
+    from hiserve.mem_cache.storage_controller import StorageConfig, StorageController
+
+    extra = parse_extra_config(spec.hicache_storage_extra_config)
+    config = StorageConfig.from_extra_config(spec.hicache_storage_prefetch_policy, extra)
+    namespace = storage_namespace(
+        spec.model_identity, str(spec.dtype).replace("torch.", ""), spec.page_size, host_pool.layout,
+        [(k.name, k.item_shape) for k in host_pool.kinds], spec.layer_num)
+    backend = create_storage(spec.hicache_storage_backend, host_pool, namespace, extra)
+    logger.info("storage tier: %s, namespace %s, prefetch %s (threshold %d tokens)",
+                spec.hicache_storage_backend, namespace, config.prefetch_policy, config.prefetch_threshold)
+    return StorageController(backend, config.batch_pages), namespace, config
+
+
+def _hierarchical_cache(spec: KVSpec, device_pool: KVCache) -> tuple[PrefixCache, object, object, object]:
     from hiserve.mem_cache.cache_controller import HiCacheController
     from hiserve.mem_cache.hiradix_cache import HiRadixCache
     from hiserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
@@ -132,16 +167,18 @@ def _hierarchical_cache(spec: KVSpec, device_pool: KVCache) -> tuple[PrefixCache
     host_pool = host_cls(device_pool, spec.hicache_ratio, spec.hicache_size, spec.page_size,
                          spec.hicache_mem_layout)
     controller = HiCacheController(device_pool, host_pool, spec.hicache_io_backend)
-    cache = HiRadixCache(spec.page_size, controller, write_policy=spec.hicache_write_policy)
-    return cache, host_pool, controller
+    storage, namespace, config = _storage_tier(spec, host_pool)
+    cache = HiRadixCache(spec.page_size, controller, write_policy=spec.hicache_write_policy,
+                         storage=storage, storage_namespace=namespace, storage_config=config)
+    return cache, host_pool, controller, storage
 
 
 def build_kv_hierarchy(spec: KVSpec) -> KVHierarchy:
     """Build the hierarchy described by `spec`.
 
     Raises:
-        ValueError: the pool holds fewer than two pages, or a host pool does not fit in
-            host memory (the message names the flags).
+        ValueError: the pool holds fewer than two pages, a host pool does not fit in host
+            memory, or the storage tier's config is invalid (the message names the flags).
     """
     size = spec.num_tokens // spec.page_size * spec.page_size
     if size < 2 * spec.page_size:
@@ -150,13 +187,13 @@ def build_kv_hierarchy(spec: KVSpec) -> KVHierarchy:
     rtt = ReqToTokenPool(spec.max_running_requests, spec.max_context_len, spec.device, padding_row=True)
     device_pool = _device_pool(spec, size)
     allocator = TokenToKVPoolAllocator(size, spec.page_size, spec.device, device_pool)
-    host_pool = controller = None
+    host_pool = controller = storage = None
     if spec.enable_hierarchical_cache:
-        cache, host_pool, controller = _hierarchical_cache(spec, device_pool)
+        cache, host_pool, controller, storage = _hierarchical_cache(spec, device_pool)
     elif spec.disable_radix_cache:
         cache = ChunkCache(spec.page_size)
     else:
         cache = RadixCache(spec.page_size)
     logger.info("KV pool: %d tokens, %.1f MB; %d request rows; prefix cache: %s", size,
                 size * cell_size_bytes(spec) / 1e6, spec.max_running_requests, type(cache).__name__)
-    return KVHierarchy(spec, rtt, device_pool, allocator, cache, host_pool, controller)
+    return KVHierarchy(spec, rtt, device_pool, allocator, cache, host_pool, controller, storage)

@@ -37,6 +37,10 @@ Locks and transfers:
   (`host_ref`) so host eviction cannot drop it.
 
 Host-only nodes are never locked: locks are taken on device nodes and walk upwards only.
+
+With a storage tier (L3) the mixin in hiradix_storage.py adds page keys per node, a
+write-through to storage once a node's host write is acknowledged (host pages pinned while
+the storage worker reads them), and prefetches from storage that insert host-only nodes.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ from typing import Iterator
 import torch
 
 from hiserve.mem_cache.cache_controller import CacheAck, HiCacheController
+from hiserve.mem_cache.hiradix_storage import HiRadixStorageMixin
 from hiserve.mem_cache.prefix_cache import InsertResult, PrefixHandle, empty_slots
 from hiserve.mem_cache.radix_cache import RadixCache, TreeNode
+from hiserve.mem_cache.storage_controller import StorageConfig, StorageController
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +74,20 @@ class HiTreeNode(TreeNode):
     Attributes (besides TreeNode's):
         hit_count: requests that finished with this node on their path.
         host_ref: pins on the host copy (a load-back in progress); host eviction skips it.
+        storage_keys, storage_state, storage_ops: the storage tier's (hiradix_storage.py):
+            page keys, None / "queued" / "stored", ids of storage ops pinning the host copy.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.hit_count = 0
         self.host_ref = 0
+        self.storage_keys: list[str] | None = None
+        self.storage_state: str | None = None
+        self.storage_ops: list[int] = []
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(HiRadixStorageMixin, RadixCache):
     """RadixCache whose evicted prefixes survive in a host pool and can be loaded back.
 
     Args:
@@ -84,6 +95,9 @@ class HiRadixCache(RadixCache):
         cache_controller: moves pages between the device pool and its host pool.
         write_policy: `write_through`, `write_through_selective` or `write_back`.
         load_back_threshold: host hits shorter than this many tokens are recomputed.
+        storage: the storage tier's worker (None: no L3); its backend reads and writes this
+            cache's host pool. storage_namespace: prefix of the page keys
+            (`keys.storage_namespace`). storage_config: prefetch policy and limits.
     Attributes:
         mem_pool_host: the host pool (the controller's).
         backed_up_tokens_total, loaded_back_tokens_total: counters since start (metrics).
@@ -95,6 +109,9 @@ class HiRadixCache(RadixCache):
         cache_controller: HiCacheController,
         write_policy: str = "write_through",
         load_back_threshold: int = DEFAULT_LOAD_BACK_THRESHOLD,
+        storage: StorageController | None = None,
+        storage_namespace: str = "",
+        storage_config: StorageConfig | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
@@ -105,16 +122,19 @@ class HiRadixCache(RadixCache):
         self.backed_up_tokens_total = 0
         self.loaded_back_tokens_total = 0
         self._counting_hits = False
+        self._init_storage(storage, storage_namespace, storage_config)
         super().__init__(page_size)
 
     # ---- state ----------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Drop both tiers: wait for transfers, drop the tree, free every host slot.
+        """Drop both tiers: wait for transfers (storage ones too), drop the tree, free every
+        host slot. Storage keeps its pages (it outlives this process and may be shared).
 
         Device slots are not freed (as in RadixCache.reset: pair with `allocator.clear()`).
         """
         self.cache_controller.reset()
+        self._reset_storage()
         self.mem_pool_host.clear()
         super().reset()
         self._writing: dict[int, tuple[TreeNode, CacheAck]] = {}  # node id -> its write
@@ -148,6 +168,7 @@ class HiRadixCache(RadixCache):
         upper.host_ref = node.host_ref
         if node.id in self._writing:
             self._writing[upper.id] = (upper, self._writing[node.id][1])
+        self._split_storage(node, upper, split_len)
         return upper
 
     # ---- insert ---------------------------------------------------------------------
@@ -163,6 +184,7 @@ class HiRadixCache(RadixCache):
 
     def _after_insert(self, path: list[TreeNode]) -> None:
         """Count hits, then back up what the write policy wants (module docstring)."""
+        self._assign_storage_keys(path)
         if self._counting_hits:
             for n in path:
                 n.hit_count += 1
@@ -202,8 +224,11 @@ class HiRadixCache(RadixCache):
         loaded chains and return the device slots of nodes evicted mid-write whose write
         has now finished (int64 CPU), for the caller to free."""
         finished = {id(ack) for ack in self.cache_controller.poll_write_acks()}
+        written = []
         if finished:  # a split node's upper half shares its lower half's write
+            written = [v[0] for v in self._writing.values() if id(v[1]) in finished]
             self._writing = {k: v for k, v in self._writing.items() if id(v[1]) not in finished}
+        self._storage_poll(written)  # write-through to L3 after the host write; storage acks
         for ack in self.cache_controller.poll_load_acks():
             for node_id in ack.node_ids:
                 node = self._loading.pop(node_id, None)
@@ -332,14 +357,15 @@ class HiRadixCache(RadixCache):
         while stack:
             c = stack.pop()
             assert c.evicted and c.host_ref == 0, "deleting a device or pinned node"
-            self.mem_pool_host.free(c.host_value)
+            self._free_host_of(c)  # later, if a storage op still reads it
             stack.extend(c.children.values())
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least `num_tokens` host slots by deleting host-only leaves, LRU first.
 
         Only host-only nodes are candidates (a backed-up node's host copy stays while it is
-        on the device); pinned ones (`host_ref`) are skipped. Returns host tokens freed.
+        on the device); pinned ones (`host_ref`, or a storage op's `storage_ops`) are
+        skipped. Returns host tokens freed.
         """
         if num_tokens <= 0:
             return 0
@@ -347,7 +373,7 @@ class HiRadixCache(RadixCache):
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node.evicted and not node.children and node.host_ref == 0:
+            if node.evicted and not node.children and node.host_ref == 0 and not node.storage_ops:
                 heap.append((node.last_access_time, node.id, node))
         heapq.heapify(heap)
         freed = 0
@@ -358,7 +384,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             if (parent is not self.root_node and parent.evicted and not parent.children
-                    and parent.host_ref == 0):
+                    and parent.host_ref == 0 and not parent.storage_ops):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return freed
 
@@ -366,11 +392,15 @@ class HiRadixCache(RadixCache):
 
     def check_integrity(self) -> torch.Tensor:
         """RadixCache's checks, plus the host tier: host slots held by nodes are distinct,
-        page-aligned runs, and together with the host pool's free slots cover the pool
-        exactly; no host pin (`host_ref`) outlives its load-back set-up."""
+        page-aligned runs, and together with the slots storage ops hold and the host pool's
+        free slots cover the pool exactly; no host pin (`host_ref`) outlives its load-back
+        set-up; storage pins match the storage ops in flight."""
         owned = super().check_integrity()
-        host = [n.host_value for n in self._nodes() if n.host_value is not None]
-        for n in self._nodes():
+        nodes = self._nodes()
+        host = [n.host_value for n in nodes if n.host_value is not None]
+        host.append(self._storage_host_slots())  # prefetch ops, frees deferred by storage pins
+        self._check_storage_integrity(nodes)
+        for n in nodes:
             assert n.host_ref == 0, f"{n} is still pinned on the host"
             if n.host_value is not None:
                 assert len(n.host_value) == len(n.key), f"{n}: {len(n.host_value)} host slots"
@@ -378,7 +408,7 @@ class HiRadixCache(RadixCache):
         assert len(torch.unique(host_slots)) == len(host_slots), "a host slot held by two nodes"
         in_use = self.mem_pool_host.size - self.mem_pool_host.available_size()
         assert in_use == len(host_slots), \
-            f"host pool has {in_use} slots in use but the tree holds {len(host_slots)}"
+            f"host pool has {in_use} slots in use but the tree and storage ops hold {len(host_slots)}"
         return owned
 
     # ---- debugging ------------------------------------------------------------------

@@ -15,6 +15,15 @@ and the host tier's transfers. One request's walk through it:
     cache(req, True)     finished: KV into the cache, the rest freed, the lock dropped
     poll()               every iteration: transfer acks, slots freed by finished writes
 
+With a storage tier (L3) two more calls frame a request's wait in the queue:
+
+    start_prefetch(req)  at queue entry: storage pages past the cached prefix start coming
+                         to the host in the background (the queue wait hides the read)
+    prefetch_ready(req)  when the scheduler considers it: the prefetch policy says whether
+                         to wait longer; if not, the pages that arrived join the tree as
+                         host-only nodes, so match → admit loads them back like any host hit
+    cancel_prefetch(req) an aborted request's prefetch stops; its host slots are freed
+
 Ownership of one request's row (`ReqKV`): positions `[0, cache_len)` are the cache's
 (locked through `handle`), `[cache_len, kv_len)` are the request's own slots; `prefix_len`
 is how many positions held KV when the current round started. Every device page is owned
@@ -47,8 +56,11 @@ class ReqKV:
         kv_len: positions with a slot (`[cache_len, kv_len)` are the request's own).
         handle: the locked end of its cached prefix (None: nothing locked).
         match: the latest match, before admission.
-        cached_tokens_device, cached_tokens_host: prefix tokens served from each tier at
-            the first admission (usage reporting).
+        cached_tokens_device, cached_tokens_host, cached_tokens_storage: prefix tokens
+            served from each tier at the first admission (usage reporting); storage ones
+            were read from L3 by this request's prefetch (and loaded back from the host).
+        prefetch: its storage prefetch in progress (opaque; None: none).
+        storage_tokens: tokens its prefetch inserted into the tree.
     """
 
     row: int | None = None
@@ -59,7 +71,10 @@ class ReqKV:
     match: MatchResult | None = None
     cached_tokens_device: int = 0
     cached_tokens_host: int = 0
+    cached_tokens_storage: int = 0
     admitted_once: bool = False
+    prefetch: object | None = None
+    storage_tokens: int = 0
 
 
 class KVRequest(Protocol):
@@ -101,6 +116,7 @@ class KVManager:
         self.page_size = hierarchy.spec.page_size
         self.debug_checks = debug_checks
         self.is_hierarchical = hierarchy.controller is not None
+        self.has_storage = self.is_hierarchical and self.prefix_cache.storage is not None
         self._live: dict[int, ReqKV] = {}  # row -> state, for integrity checks
 
     @property
@@ -163,7 +179,10 @@ class KVManager:
         self.rtt.write(kv.row, 0, prefix)
         kv.prefix_len = kv.cache_len = kv.kv_len = len(prefix)
         if not kv.admitted_once:
-            kv.cached_tokens_device, kv.cached_tokens_host = m.device_len, len(loaded)
+            # Prefetched pages hang below the rest of the host part: they are its tail.
+            kv.cached_tokens_storage = min(kv.storage_tokens, len(loaded))
+            kv.cached_tokens_device = m.device_len
+            kv.cached_tokens_host = len(loaded) - kv.cached_tokens_storage
             kv.admitted_once = True
         kv.match = None
         return len(loaded)
@@ -312,6 +331,47 @@ class KVManager:
         kv.row, kv.handle, kv.match = None, None, None
         kv.prefix_len = kv.cache_len = kv.kv_len = 0
 
+    # ------------------------------------------------------------------ storage tier
+
+    def start_prefetch(self, req: KVRequest) -> None:
+        """At queue entry: prefetch the storage pages of `(origin_input_ids + output_ids)[:-1]`
+        past what the tree holds (`HiRadixCache.start_prefetch`); no-op without storage."""
+        if self.has_storage and req.kv.prefetch is None:
+            tokens = (req.origin_input_ids + req.output_ids)[:-1]
+            req.kv.prefetch = self.prefix_cache.start_prefetch(tokens)
+
+    def prefetch_ready(self, req: KVRequest) -> bool:
+        """Whether `req` may be considered for admission now. False: its prefetch policy
+        holds it in the queue this round. True: no prefetch, or it ended now, and the pages
+        that arrived are in the tree (the next `match` finds them as a host hit)."""
+        op = req.kv.prefetch
+        if op is None:
+            return True
+        if not self.prefix_cache.prefetch_ready(op):
+            return False
+        req.kv.storage_tokens += self.prefix_cache.take_prefetch(op)
+        req.kv.prefetch = None
+        return True
+
+    def cancel_prefetch(self, req: KVRequest) -> None:
+        """Abandon `req`'s prefetch (aborted in the queue); its host slots are freed once the
+        storage worker lets go."""
+        if req.kv.prefetch is not None:
+            self.prefix_cache.cancel_prefetch(req.kv.prefetch)
+            req.kv.prefetch = None
+
+    def storage_busy(self) -> bool:
+        """Storage ops are in flight (the scheduler may nap instead of spinning)."""
+        return self.has_storage and self.prefix_cache.storage.in_flight() > 0
+
+    def storage_metrics(self) -> dict | None:
+        """Storage counters for /metrics (`HiRadixCache.storage_metrics`; None without one)."""
+        return self.prefix_cache.storage_metrics() if self.has_storage else None
+
+    def storage_state(self) -> dict | None:
+        """The storage backend's state and counters for /get_server_info (None without one)."""
+        return self.prefix_cache.storage_state() if self.has_storage else None
+
     # ------------------------------------------------------------------ every iteration
 
     def poll(self) -> None:
@@ -324,7 +384,7 @@ class KVManager:
         """Drop every cached prefix (both tiers); False (nothing done) while requests hold KV."""
         if self._live:
             return False
-        self.prefix_cache.reset()
+        self.prefix_cache.reset()  # waits for storage ops too; storage keeps its pages
         self.allocator.clear()
         self.rtt.clear()
         return True
