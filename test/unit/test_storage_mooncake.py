@@ -21,6 +21,7 @@ from mooncake_fixture import MooncakeMaster, free_port, mooncake_unavailable
 
 from hiserve.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hiserve.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from hiserve.mem_cache.storage import create_storage
 from hiserve.mem_cache.storage.keys import page_keys, storage_namespace
 from hiserve.mem_cache.storage.mooncake_backend import MooncakeStore, MooncakeStoreConfig, parse_size
 
@@ -257,3 +258,22 @@ def test_config_sources(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="global_segment_size"):
         MooncakeStoreConfig.resolve({"master_server_address": "h:1", "global_segment_size": "lots"})
     assert parse_size(4096) == 4096 and parse_size("1.5k") == 1536 and parse_size("4GiB") == 4 * 1024**3
+
+
+@needs_mooncake
+def test_factory_builds_it(master, monkeypatch):
+    """`create_storage("mooncake", ...)` (the --hicache-storage-backend name) builds this backend;
+    without any master configured it refuses at start with a message naming the keys."""
+    host = host_pool("MLA", seed=15)
+    ns = namespace(host)
+    store = create_storage("mooncake", host, ns, master.extra_config())
+    try:
+        assert isinstance(store, MooncakeStore) and store.state()["connected"]
+        keys = page_keys(tokens(1, seed=16), PAGE, ns)
+        assert store.batch_set_from(keys, [0]) == 1 and store.batch_exists(keys) == 1
+    finally:
+        store.close()
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ValueError, match="master_server_address"):
+        create_storage("mooncake", host, ns, {})

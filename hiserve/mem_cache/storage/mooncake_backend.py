@@ -29,7 +29,9 @@ Master death: the client notices at once (its ping thread sees the connection dr
 `health_check()` = 2), then reconnects **by itself** when a master answers again at the
 same address (same client object, no new `setup`; its memory segment is remounted and its
 registered buffers stay valid). The new master starts empty: stored pages are gone, new
-writes are hits again. While the master is down every store call blocks ~4.5 s in RPC
+writes are hits again. A client that dies takes the objects in its lent segment with it: for
+the master's `--client_ttl` (10 s) they still exist and gets of them answer -800 after ~1 s,
+then they are gone (-704). While the master is down every store call blocks ~4.5 s in RPC
 retries and answers -900 (RPC_FAIL), so this backend checks `health_check()` before each
 call and counts "unavailable" without calling. `close()` with a dead master blocks ~10 s
 (segment unmount retries): it runs on a daemon thread, waited for at most `CLOSE_WAIT_S`.
@@ -449,9 +451,10 @@ class MooncakeStore(HiCacheStorage):
             logger.info("mooncake storage: cleared %d objects of %s", removed, self.namespace)
 
     def close(self) -> None:
-        """Unregister the host pool and close the client (idempotent). Call before the host
-        pool is freed. Waits at most `CLOSE_WAIT_S` (a close with a dead master retries its
-        unmount for ~10 s; it then finishes on a daemon thread)."""
+        """Unregister the host pool and close the client (idempotent). Call after the storage
+        worker has stopped calling and before the host pool is freed. Waits at most
+        `CLOSE_WAIT_S` (a close with a dead master retries its unmount for ~10 s; it then
+        finishes on a daemon thread)."""
         with self._connect_lock:
             store, self._store, self._closed = self._store, None, True
         if store is None:
