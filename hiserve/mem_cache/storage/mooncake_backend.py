@@ -307,7 +307,10 @@ class MooncakeStore(HiCacheStorage):
         if self._store is None and not self._connect():
             self._fail("unavailable", self._last_error)
             return None
-        health = self._store.health_check()
+        store = self._store  # read once: close() may clear it from another thread
+        if store is None:
+            return None
+        health = store.health_check()
         if health != 0:
             # The client reconnects by itself; calling now would block ~4.5 s to fail.
             self._last_error = f"health_check() = {health} (master unreachable)"
@@ -320,7 +323,7 @@ class MooncakeStore(HiCacheStorage):
         if not self._healthy:
             logger.info("mooncake storage: master %s reachable again", self.config.master_server_address)
             self._healthy = True
-        return self._store
+        return store
 
     def _check_codes(self, codes: list[int], op: str) -> None:
         """Count the first real failure among per-object codes (not-found is a miss)."""
