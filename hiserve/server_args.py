@@ -76,10 +76,13 @@ class ServerArgs:
                           choices=("debug", "info", "warning", "error", "critical"))
     skip_server_warmup: bool = _arg(False, "Skip the warm-up request after start.")
     enable_metrics: bool = _arg(
-        False, "Accepted for SGLang scripts: /metrics is always served here.")
+        False, "Serve Prometheus metrics at /metrics under SGLang's names (sglang:num_running_reqs, "
+        "sglang:num_queue_reqs, sglang:token_usage, ...: what sglang-router and dashboards read). "
+        "Without it /metrics answers 404, as in SGLang.")
     enable_cache_report: bool = _arg(
-        False, "Accepted for SGLang scripts: usage.prompt_tokens_details.cached_tokens is always "
-        "reported here.")
+        False, "Report the prompt tokens served from the prefix cache in the OpenAI routes' "
+        "usage.prompt_tokens_details.cached_tokens, as SGLang does; without it prompt_tokens_details "
+        "is null. The native /generate reports meta_info.cached_tokens either way.")
     stream_interval: int = _arg(1, "Tokens between two streamed chunks.")
     max_request_body_bytes: int = _arg(
         16 * 1024 * 1024, "Largest HTTP request body in bytes; a larger one gets 413 before it is read "

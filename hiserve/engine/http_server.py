@@ -18,8 +18,9 @@ import dataclasses
 import hmac
 import importlib.metadata
 import logging
+import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hiserve.engine import openai_routes
 from hiserve.engine.errors import ApiError, BadRequestError, ErrorResponse
 from hiserve.engine.http_limits import BodySizeLimitMiddleware, body_error_message, check_fanout
+from hiserve.engine.loads import legacy_load, load_entry
 from hiserve.engine.logprobs_format import apply_logprob_options
 from hiserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hiserve.engine.openapi import install_openapi
@@ -68,6 +70,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True,
                        allow_methods=["*"], allow_headers=["*"])  # outermost: 401s carry CORS headers
     app.include_router(router)
+    if tm.server_args.enable_metrics:
+        app.include_router(metrics_router)
     _install_error_handlers(app)
     install_openapi(app, api_key=bool(tm.server_args.api_key), vocab_size=tm.ready.vocab_size,
                     context_len=tm.context_len, max_input_len=tm.ready.max_req_input_len,
@@ -260,7 +264,28 @@ async def abort_request(obj: AbortReqInput, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get("/v1/loads")
+async def v1_loads(request: Request, dp_rank: Optional[int] = Query(None)) -> Response:
+    """Load of each data-parallel rank (one here: 0), SGLang's `/v1/loads` shape (see `loads`)."""
+    tm = get_tm(request)
+    entry = load_entry(await tm.get_internal_state(), tm.metrics.last_cache_hit_rate)
+    entries = [entry] if dp_rank is None or dp_rank == entry["dp_rank"] else []
+    return json_response({"timestamp": time.time(), "version": _version(), "loads": entries})
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    """Legacy load report read by sglang-router's power_of_two policy (see `loads`)."""
+    tm = get_tm(request)
+    entry = load_entry(await tm.get_internal_state(), tm.metrics.last_cache_hit_rate)
+    return json_response([legacy_load(entry)])
+
+
+# Mounted by create_app only with --enable-metrics (SGLang serves /metrics only then).
+metrics_router = APIRouter()
+
+
+@metrics_router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(get_tm(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 

@@ -70,6 +70,7 @@ class ServerMetrics:
         self._backed_up_seen = 0
         self._loaded_back_seen = 0
         self.last_gen_throughput = 0.0
+        self.last_cache_hit_rate = 0.0
 
     def update_stats(self, s: SchedulerStats) -> None:
         self.num_running_reqs.set(s.num_running_reqs)
@@ -79,6 +80,7 @@ class ServerMetrics:
         self.gen_throughput.set(s.gen_throughput)
         self.last_gen_throughput = s.gen_throughput
         self.cache_hit_rate.set(s.cache_hit_rate)
+        self.last_cache_hit_rate = s.cache_hit_rate
         self.num_retracted_reqs.set(s.num_retracted_reqs)
         self.hicache_host_used_tokens.set(s.hicache_host_used_tokens)
         self.hicache_host_total_tokens.set(s.hicache_host_total_tokens)

@@ -72,16 +72,18 @@ def _finish(st: ReqState) -> tuple[Optional[str], Any]:
     return fr["type"], fr.get("matched") if fr["type"] == "stop" else None
 
 
-def _usage(states: Iterable[ReqState], n: int) -> UsageInfo:
-    """Prompt (and cached) tokens once per prompt, completion tokens summed over choices."""
+def _usage(states: Iterable[ReqState], n: int, cache_report: bool) -> UsageInfo:
+    """Prompt (and, with `cache_report` (--enable-cache-report), cached) tokens once per prompt,
+    completion tokens summed over choices."""
     prompt = cached = completion = 0
     for st in states:
         completion += st.completion_tokens
         if st.index % n == 0:
             prompt += st.prompt_tokens
             cached += st.cached_tokens
+    details = PromptTokensDetails(cached_tokens=cached) if cache_report else None
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=details)
 
 
 class _DeltaTracker:
@@ -142,7 +144,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                                             matched_stop=matched)])]
 
         def tail() -> list[Any]:
-            return [chunk([], _usage(tracker.latest.values(), req.n))] if req.include_usage else []
+            return [chunk([], _usage(tracker.latest.values(), req.n, tm.server_args.enable_cache_report))] if req.include_usage else []
 
         return StreamingResponse(sse_stream(first, gen, render, tail), media_type="text/event-stream")
 
@@ -154,7 +156,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
             index=st.index, text=prompt_text + st.text, finish_reason=_finish(st)[0], matched_stop=_finish(st)[1],
             logprobs=completion_choice_logprobs(tm.tokenizer, st.logprobs, req.echo, len(prompt_text))))
     return json_response(CompletionResponse(id=rid, model=model, choices=choices,
-                                            usage=_usage(states, req.n)).model_dump())
+                                            usage=_usage(states, req.n, tm.server_args.enable_cache_report)).model_dump())
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(_require_json)])
@@ -203,7 +205,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             if not req.include_usage:
                 return []
             return [ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                 usage=_usage(tracker.latest.values(), req.n))]
+                                                 usage=_usage(tracker.latest.values(), req.n, tm.server_args.enable_cache_report))]
 
         return StreamingResponse(sse_stream(first, gen, render, tail), media_type="text/event-stream")
 
@@ -213,7 +215,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
                                     if st.logprobs is not None else None),
                           finish_reason=_finish(st)[0], matched_stop=_finish(st)[1]) for st in states]
     return json_response(ChatCompletionResponse(id=rid, model=model, choices=choices,
-                                                usage=_usage(states, req.n)).model_dump())
+                                                usage=_usage(states, req.n, tm.server_args.enable_cache_report)).model_dump())
 
 
 def _model_card(tm: TokenizerManager) -> ModelCard:

@@ -28,7 +28,7 @@ from hiserve.engine.sampling_params import SamplingParams
 
 # Routes that wait on the scheduler process, hence can answer 503.
 _SCHEDULER_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/get_server_info",
-                     "/server_info", "/flush_cache", "/health", "/health_generate")
+                     "/server_info", "/flush_cache", "/health", "/health_generate", "/v1/loads", "/get_load")
 _AUTH_EXEMPT = ("/health", "/metrics")
 _STREAMING_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 _TOKEN_FIELDS = ("input_ids", "stop_token_ids", "prompt")

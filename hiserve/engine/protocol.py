@@ -356,7 +356,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # set with --enable-cache-report
 
 
 class CompletionChoice(BaseModel):

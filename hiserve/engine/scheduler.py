@@ -210,6 +210,7 @@ class Scheduler(SchedulerOutputMixin):
             "max_running_requests": self.model_runner.max_running_requests,
             "num_running_reqs": len(self.running),
             "num_queue_reqs": len(self.waiting_queue),
+            "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),
             "last_gen_throughput": self.stats.gen_throughput,
             "memory_usage": {"token_capacity": self.max_total_num_tokens},
         }

@@ -7,6 +7,9 @@ import openai
 import pytest
 from server import stream_events
 
+# /metrics and usage.prompt_tokens_details are opt-in, as in SGLang.
+SERVER_ARGS = ["--enable-metrics", "--enable-cache-report"]
+
 PROMPT = "The capital city of France is"
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 

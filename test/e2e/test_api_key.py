@@ -7,7 +7,7 @@ import openai
 import pytest
 
 KEY = "sk-hiserve-test"
-SERVER_ARGS = ["--api-key", KEY, "--skip-server-warmup"]
+SERVER_ARGS = ["--api-key", KEY, "--skip-server-warmup", "--enable-metrics"]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from server import kill, popen_launch_server
 POOL_TOKENS = 2048
 PAGE_SIZE = 16
 COMMON_ARGS = ["--max-total-tokens", POOL_TOKENS, "--page-size", PAGE_SIZE]
-SERVER_ARGS = [*COMMON_ARGS, "--enable-hierarchical-cache", "--hicache-ratio", 4]
+SERVER_ARGS = [*COMMON_ARGS, "--enable-hierarchical-cache", "--hicache-ratio", 4, "--enable-metrics"]
 
 NUM_CONVERSATIONS = 6
 NUM_ROUNDS = 4

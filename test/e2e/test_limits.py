@@ -28,7 +28,7 @@ CHUNK = 128
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SERVER_ARGS = ["--api-key", KEY, "--max-request-body-bytes", BODY_LIMIT, "--max-running-requests", MAX_RUNNING,
                "--chunked-prefill-size", CHUNK, "--enable-hierarchical-cache", "--hicache-ratio", 2,
-               "--max-total-tokens", 16384]
+               "--max-total-tokens", 16384, "--enable-metrics"]
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 

@@ -87,7 +87,7 @@ class Scenario:
 
     def common_args(self) -> list[str]:
         return ["--model-path", self.model_path, "--load-format", "dummy", "--dtype", self.dtype,
-                "--page-size", self.page_size, "--random-seed", 1, *self.extra_args]
+                "--page-size", self.page_size, "--random-seed", 1, "--enable-metrics", *self.extra_args]
 
 
 def _start(args: list[Any]) -> tuple[Any, str, float]:
