@@ -63,18 +63,19 @@ def _pkg_version(python: str, dist: str) -> str:
 
 
 def hiserve_spec(port: int = 30000) -> EngineSpec:
-    """`make serve` defaults: `python -m hiserve.launch_server` and no other flag (port 30000)."""
+    """`make serve` defaults: `python -m hiserve.launch_server` plus `--enable-cache-report` (port
+    30000). That flag only adds `usage.prompt_tokens_details` (the cache-hit column), as in SGLang."""
     python = os.environ.get("HISERVE_PYTHON", str(REPO_ROOT / ".venv" / "bin" / "python"))
     git = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "hiserve"],
                            capture_output=True, text=True).stdout.strip()
-    argv = [python, "-m", "hiserve.launch_server"]
+    argv = [python, "-m", "hiserve.launch_server", "--enable-cache-report"]
     if port != 30000:
         argv += ["--port", str(port)]
     return EngineSpec("hiserve", argv, port, env={"PYTHONPATH": str(REPO_ROOT)},
                       version=f"git {git}{' (hiserve/ modified)' if dirty else ''}", cwd=str(REPO_ROOT),
-                      notes="`make serve` defaults")
+                      notes="`make serve` defaults + --enable-cache-report (usage reporting only)")
 
 
 def _find_iomp(venv: Path) -> str:

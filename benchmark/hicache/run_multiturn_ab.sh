@@ -31,7 +31,7 @@ mkdir -p "$out" "$logs"
 bench=(--num-clients "${CLIENTS:-12}" --num-rounds "${ROUNDS:-6}" --request-length "${REQUEST_LEN:-200}"
        --output-length "${OUTPUT_LEN:-32}" --max-parallel "${MAX_PARALLEL:-4}"
        --request-rate "${REQUEST_RATE:-inf}" --seed "${SEED:-1}" --flush-cache --disable-tqdm)
-server_common=(--dtype "$dtype" --max-total-tokens "$pool" --page-size "$page" --host 127.0.0.1
+server_common=(--dtype "$dtype" --max-total-tokens "$pool" --page-size "$page" --host 127.0.0.1 --enable-metrics --enable-cache-report
                ${SERVER_EXTRA:-})
 
 server_pid=""

@@ -32,7 +32,7 @@ def _args(storage_dir: str) -> list:
     extra = {"file_storage_path": storage_dir, "prefetch_threshold": 32}
     return ["--max-total-tokens", 1024, "--page-size", PAGE_SIZE, "--enable-hierarchical-cache",
             "--hicache-ratio", 2, "--hicache-storage-backend", "file",
-            "--hicache-storage-backend-extra-config", json.dumps(extra), "--enable-cache-integrity-check"]
+            "--hicache-storage-backend-extra-config", json.dumps(extra), "--enable-cache-integrity-check", "--enable-metrics"]
 
 
 def _question(conv: int, rnd: int) -> list[int]:
