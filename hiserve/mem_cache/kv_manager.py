@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -69,6 +69,14 @@ class KVRequest(Protocol):
     output_ids: list[int]
     fill_ids: list[int]
     kv: ReqKV
+    # Tokens a launched forward has sampled whose ids the host does not have yet (overlap
+    # scheduling; 0 otherwise): they count in the sequence (`_seq_len`), not in output_ids.
+    num_pending_tokens: int
+
+
+def _seq_len(req: KVRequest) -> int:
+    """Positions of the sequence, including a token still in flight (overlap scheduling)."""
+    return len(req.origin_input_ids) + len(req.output_ids) + getattr(req, "num_pending_tokens", 0)
 
 
 @dataclass
@@ -180,10 +188,19 @@ class KVManager:
         kv.handle = m.host_handle
         return slots
 
-    def start_loads(self) -> object | None:
+    def start_loads(self, fence: Callable[[], object | None] | None = None) -> object | None:
         """Issue the load-backs queued by this round's admissions; returns the ticket the
-        consuming batch's forward carries (None: nothing to load)."""
-        return self.h.controller.start_loading() if self.is_hierarchical else None
+        consuming batch's forward carries (None: nothing to load).
+
+        fence: with overlap scheduling a forward may still be running that reads slots freed
+        meanwhile (a request's duplicate prefix slots) which a load-back now overwrites. Called
+        only when loads are queued, it returns once the load may be ordered after that
+        forward: a CUDA event the load stream waits for, or None (nothing left to wait for;
+        on the CPU it blocks until the forward has finished)."""
+        if not self.is_hierarchical or not self.h.controller.load_queue:
+            return None
+        after = fence() if fence is not None else None
+        return self.h.controller.start_loading(after=after)
 
     # ------------------------------------------------------------------ allocation
 
@@ -234,11 +251,12 @@ class KVManager:
         return out
 
     def alloc_decode(self, reqs: list[KVRequest]) -> torch.Tensor:
-        """One slot per request for its position seqlen - 1 (the KV of its newest token).
+        """One slot per request for its position seqlen - 1 (the KV of its newest token; the
+        sequence length counts a token still in flight, see `KVRequest.num_pending_tokens`).
 
         Returns int64 CPU `[len(reqs)]`. Raises RuntimeError when the pool is exhausted
         (the scheduler retracts until `room()` covers `decode_need()` first)."""
-        seq_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        seq_lens = [_seq_len(r) for r in reqs]
         rows = [r.kv.row for r in reqs]
         cpu = self.rtt.req_to_token_cpu
         last_loc = cpu[torch.tensor(rows), torch.tensor(seq_lens) - 2].to(torch.int64)
@@ -254,7 +272,7 @@ class KVManager:
 
     def decode_need(self, reqs: list[KVRequest]) -> int:
         """Tokens of new pages the next decode step of `reqs` takes."""
-        lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        lens = [_seq_len(r) for r in reqs]
         return self.new_pages([n - 1 for n in lens], lens) * self.page_size
 
     def room(self) -> int:
