@@ -378,6 +378,7 @@ class Scheduler(OverlapSchedulerMixin, SchedulerOutputMixin):
         (nothing recorded) for a request that finished while the pass ran (overlap: a stop,
         length or abort seen after this batch was launched): that extra token is dropped."""
         if req.finished:
+            self.num_dropped_tokens += 1
             return False
         tok = result.next_ids[row]
         req.output_ids.append(tok)
@@ -445,6 +446,7 @@ class Scheduler(OverlapSchedulerMixin, SchedulerOutputMixin):
         or freed uncached. While a launched forward still holds the request (overlap) that
         forward reads its row and writes its slots, so the release waits for its result."""
         if req.num_inflight > 0:
+            self.num_deferred_releases += req.release_pending is None
             req.release_pending = cache
             return
         if req.kv.row is None:

@@ -60,6 +60,8 @@ class OverlapSchedulerMixin:
     _in_flight: Optional[ScheduleBatch] = None  # launched, results not processed yet
     num_overlapped_batches = 0  # launched while the previous batch was still in flight
     num_drained_batches = 0  # processed before the next batch was prepared
+    num_dropped_tokens = 0  # extra tokens of requests that had finished before their batch returned
+    num_deferred_releases = 0  # KV releases that waited for a launched forward
 
     def init_overlap(self) -> None:
         """Start the forward worker (called when overlap scheduling is on)."""

@@ -285,7 +285,8 @@ class KVManager:
         """Hand the request's computed KV to the prefix cache.
 
         finished (or retracted): tokens with KV are `(origin_input_ids + output_ids)[:-1]`;
-        the aligned part goes into the cache, duplicates and the unaligned tail are freed,
+        the aligned part goes into the cache, duplicates and the unaligned tail (up to
+        `kv_len`, which covers a dropped extra token's slot under overlap scheduling) are freed,
         the row is freed and the lock dropped. Unfinished (after a prefill chunk): `fill_ids`
         go in, the row is re-pointed at the cache's slots, the lock moves to the new end.
         """
@@ -301,7 +302,9 @@ class KVManager:
         assert res.cached_len >= kv.cache_len, "the request's locked prefix left the cache"
         self.allocator.free(slots[kv.cache_len:res.cached_len])  # duplicates
         if finished:
-            self.allocator.free(slots[aligned:kv.kv_len])
+            # kv_len may exceed n by one: overlap scheduling's extra token of a request that a
+            # launched forward held when it finished (its slot is freed with the tail).
+            self.allocator.free(self.rtt.slots(kv.row, aligned, kv.kv_len))
             self._drop(req)
             return
         tree_slots = self.prefix_cache.match(token_ids[:aligned]).device_indices
