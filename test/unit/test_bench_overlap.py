@@ -65,3 +65,31 @@ def test_summary_ratios_and_target(capsys):
     table = bo.format_table(rows)
     assert "TPOT/step" in table and "1.021" in table
     assert not bo.targets(bo.summarize([], serving))["met"]  # no step time: no claim
+
+
+_PPATH = Path(__file__).resolve().parents[2] / "benchmark" / "gpu" / "profile_scheduler_step.py"
+_pspec = importlib.util.spec_from_file_location("profile_scheduler_step", _PPATH)
+ps = importlib.util.module_from_spec(_pspec)
+_pspec.loader.exec_module(ps)
+
+
+def test_phase_medians():
+    steps = [{"step": 0.004, "prep": 0.001}, {"step": 0.006, "prep": 0.003, "wait": 0.002}, {"step": 0.005}]
+    med = ps.medians_ms(steps)
+    assert med["step"] == pytest.approx(5.0) and med["prep"] == pytest.approx(1.0)
+    assert med["wait"] == pytest.approx(0.0)  # absent counts as zero
+    table = ps.format_table([{"overlap": False, "median_ms": med}, {"overlap": True, "median_ms": {"step": 1.0}}])
+    assert table.splitlines()[1].startswith("step") and "sync" in table and "overlap" in table
+
+
+def test_profile_harness_on_the_cpu(tmp_path):
+    """The in-process profile runs end to end on the tiny model (its figures mean nothing here)."""
+    import json
+
+    assert ps.main(["--tiny", "--device", "cpu", "--concurrency", "4", "--out-dir", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "cpu_scheduler_step_tiny.json").read_text())
+    sync, overlap = record["results"]
+    assert not sync["overlap"] and overlap["overlap"] and overlap["num_overlapped_batches"] > 0
+    assert {"prep", "forward", "sample", "process"} <= set(sync["median_ms"])
+    assert {"prep", "launch", "wait", "process", "worker_forward"} <= set(overlap["median_ms"])
+    assert overlap["steps_timed"] == sync["steps_timed"] == 20
