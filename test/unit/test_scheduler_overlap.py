@@ -78,6 +78,10 @@ def request(i: int, ref: dict | None) -> tuple[TokenizedGenerateReqInput, bool]:
         sp.update(ignore_eos=False, max_new_tokens=40)  # may stop at the model's EOS
     elif kind == 7:
         sp["max_new_tokens"] = 90  # long: outgrows the admission's decode reserve (retraction)
+    elif kind == 8 and i < 20:  # seeded sampling: its tokens depend only on (seed, position)
+        sp.update(temperature=0.9, top_p=0.95, sampling_seed=1234 + i)
+    elif kind == 8 and i < 30:
+        sp["max_new_tokens"] = 0
     req = TokenizedGenerateReqInput(rid=f"r{i}", input_ids=prompt(i), sampling_params=SamplingParams(**sp),
                                     stream=i % 2 == 0 or abort, **extra)
     return req, abort
@@ -180,6 +184,43 @@ def test_overlap_outputs_equal_sync(model_path, setting):
         (plain_ref, _, _, _), (ovl_ref, _, _, _) = runs[False], runs[True]
         assert plain_ref.stats.num_retracted_reqs > 0 and ovl_ref.stats.num_retracted_reqs > 0
         assert ovl_ref.kv.stats().backed_up_tokens_total > 0 and ovl_ref.kv.stats().loaded_back_tokens_total > 0
+
+
+def test_aborts_mid_prompt_and_in_flight(model_path):
+    """Overlap on: an abort while a chunked prompt's chunk runs, an abort while a request's
+    prefill is in flight, and abort_all while decoding; every request gets one final abort
+    reply, and no KV leaks (the integrity check runs every iteration)."""
+    sched = make(model_path, overlap=True, max_total_tokens=4096, chunked_prefill_size=32)
+    sp = dict(max_new_tokens=50, temperature=0, ignore_eos=True)
+    sched.add_request(TokenizedGenerateReqInput(rid="long", input_ids=[(7 * k) % 500 + 6 for k in range(300)],
+                                                sampling_params=SamplingParams(**sp), stream=True))
+    sched.step()
+    sched.step()
+    assert sched.chunked_req is not None and sched._in_flight is not None
+    sched.abort_request(AbortReq(rid="long"))  # its chunk is running
+    sched.add_request(TokenizedGenerateReqInput(rid="short", input_ids=list(range(10, 40)),
+                                                sampling_params=SamplingParams(**sp), stream=True))
+    for _ in range(3):
+        sched.step()
+    sched.add_request(TokenizedGenerateReqInput(rid="late", input_ids=list(range(50, 70)),
+                                                sampling_params=SamplingParams(**sp), stream=True))
+    sched.step()  # launches late's prefill
+    assert sched._in_flight is not None and sched._in_flight.forward_mode.is_extend()
+    sched.abort_request(AbortReq(rid="late"))
+    sched.step()
+    sched.abort_request(AbortReq(rid="", abort_all=True))  # "short" is decoding
+    while sched.has_work():
+        sched.step()
+    finals: dict[str, list] = {}
+    for msg in sched.outbox:
+        if isinstance(msg, BatchTokenIDOut):
+            for rid, fin in zip(msg.rids, msg.finished_reasons):
+                if fin is not None:
+                    finals.setdefault(rid, []).append(fin)
+    assert {rid: [f["type"] for f in fins] for rid, fins in finals.items()} == {
+        "long": ["abort"], "short": ["abort"], "late": ["abort"]}
+    assert sched.num_deferred_releases >= 2
+    assert_no_leak(sched)
 
 
 def test_future_ids_are_resolved_on_the_device(model_path):
