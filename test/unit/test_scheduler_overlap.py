@@ -136,6 +136,7 @@ SETTINGS = {
     "retract-hicache": dict(max_total_tokens=320, chunked_prefill_size=64, enable_hierarchical_cache=True,
                             hicache_ratio=4.0, max_running_requests=64),
     "paged": dict(max_total_tokens=2048, page_size=4, chunked_prefill_size=-1, max_running_requests=16),
+    "no-radix": dict(max_total_tokens=4096, chunked_prefill_size=48, disable_radix_cache=True),
 }
 
 
