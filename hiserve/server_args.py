@@ -133,6 +133,17 @@ class ServerArgs:
     disable_cuda_graph: bool = _arg(
         False, "Run decode eagerly instead of replaying CUDA graphs (CUDA only; graphs are never "
         "used on the CPU, nor with a torch_native decode backend).")
+    disable_overlap_schedule: bool = _arg(
+        False, "Run the scheduler synchronously (prepare, run, read back, process, in turn) instead "
+        "of overlapping its host work with the forward pass: by default on CUDA the next batch is "
+        "prepared and the previous batch's results are processed while the current forward runs "
+        "(as SGLang does). Overlap is off by default on the CPU, which has no idle device to hide "
+        "host work behind.")
+    enable_overlap_schedule: bool = _arg(
+        False, "Turn overlap scheduling on also where it is off by default (the CPU): the forward "
+        "then runs in a worker thread while the scheduler thread does its host work (it exercises "
+        "the overlap path; it is not expected to be faster on the CPU). SGLang spelled the opt-in "
+        "this way before overlap became its default.")
     tp_size: int = _arg(1, "Tensor-parallel ranks (only 1 is implemented).")
 
     # Hierarchical cache
@@ -257,6 +268,7 @@ class ServerArgs:
 
         self._resolve_attention(platform)
         self._resolve_cuda_graph()
+        self._resolve_overlap()
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
@@ -409,6 +421,14 @@ class ServerArgs:
         if self.prefill_attention_backend != self.decode_attention_backend:
             logger.info("Attention backends: prefill %s, decode %s",
                         self.prefill_attention_backend, self.decode_attention_backend)
+
+    def _resolve_overlap(self) -> None:
+        """Overlap scheduling: on for CUDA unless disabled, off on the CPU unless forced."""
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
+        if self.device != "cuda" and not self.enable_overlap_schedule and not self.disable_overlap_schedule:
+            self.disable_overlap_schedule = True
+            logger.info("Overlap scheduling off: --device %s (--enable-overlap-schedule forces it on)", self.device)
 
     def _resolve_cuda_graph(self) -> None:
         """--cuda-graph-max-bs default, and the cases where decode cannot be captured."""

@@ -110,28 +110,26 @@ def logprob_rows(reqs: list[Req]) -> list[int]:
     return [i for i, r in enumerate(reqs) if r.return_logprob]
 
 
-def record_output_logprobs(reqs: list[Req], rows: list[int], next_ids: torch.Tensor,
-                           logprobs: Optional[torch.Tensor]) -> None:
-    """Append each sampled token's logprob (and the step's top logprobs) to its request.
+def output_logprob_tensors(next_ids: torch.Tensor, logprobs: torch.Tensor, index: torch.Tensor,
+                           k: int) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The logprob of each logprob row's sampled token and its top-k, on the device (no sync).
 
     Args:
-        reqs: the sampled requests, in batch order.
-        rows: the indices into `reqs` that `logprobs` covers, in order.
-        next_ids: [B] int64 sampled tokens.
-        logprobs: [len(rows), V] float32 from `Sampler.sample_and_logprobs`.
+        next_ids: [S] int64 sampled tokens.
+        logprobs: [R, V] float32 from `Sampler.sample_and_logprobs` (rows `index`).
+        index: [R] int64 rows of `next_ids` that `logprobs` covers.
+        k: top logprobs wanted (the largest top_logprobs_num of those rows; 0: none).
+
+    Returns:
+        ([R] float32 token logprobs, [R, k] float32 top values or None, [R, k] int64 top ids
+        or None), all floored at LOGPROB_FLOOR (JSON never carries -inf).
     """
-    if not rows or logprobs is None:
-        return
-    index = torch.tensor(rows, dtype=torch.int64, device=next_ids.device)
     chosen = next_ids.index_select(0, index)
-    tok = logprobs.gather(1, chosen.view(-1, 1)).view(-1).clamp(min=LOGPROB_FLOOR).tolist()
-    k = max(reqs[i].top_logprobs_num for i in rows)
-    tops = _top(logprobs, k) if k else None
-    for j, (i, t, lp) in enumerate(zip(rows, chosen.tolist(), tok)):
-        req = reqs[i]
-        req.output_token_logprobs.append((lp, t))
-        if req.top_logprobs_num:
-            req.output_top_logprobs.append(tops[j][:req.top_logprobs_num])
+    tok = logprobs.gather(1, chosen.view(-1, 1)).view(-1).clamp(min=LOGPROB_FLOOR)
+    if k <= 0:
+        return tok, None, None
+    vals, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return tok, vals.clamp(min=LOGPROB_FLOOR), ids
 
 
 def logprob_chunk(req: Req, start: int, end: int) -> Optional[LogprobChunk]:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hiserve.engine.logprobs import global_rows, input_logprob_rows, logprob_rows, record_output_logprobs
+from hiserve.engine.logprobs import global_rows, input_logprob_rows, logprob_rows, output_logprob_tensors
+from hiserve.engine.sample_result import SampleOutput, SampleResult, SamplingPlan
 from hiserve.engine.sampler import Sampler, SamplingBatchInfo
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.layers.attention.base import AttentionBackend
@@ -198,23 +199,34 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend)
 
+    def prepare_input_logprobs(self, batch: ScheduleBatch) -> None:
+        """For an EXTEND batch whose requests owe prompt logprobs: their rows
+        (`batch.input_logprob_rows`) and the flat index the forward gathers (built on the
+        calling thread: the overlap scheduler calls this before handing the batch over)."""
+        if not batch.forward_mode.is_extend() or batch.input_logprob_index is not None:
+            return
+        batch.input_logprob_rows = input_logprob_rows(batch)
+        if batch.input_logprob_rows is not None:
+            batch.input_logprob_index = global_rows(batch, batch.input_logprob_rows, self.device)
+
     def forward(self, batch: ScheduleBatch) -> torch.Tensor:
         """Run the model on `batch`; returns next-token logits [B, vocab] float32 (after a graph
         replay, a view valid until the next replay: sample before running another pass).
 
         For EXTEND passes where a request owes prompt logprobs, `batch.input_logits` receives
         the logits of those positions. Grammar masks of constrained requests are built in a
-        worker thread while the pass runs. A batch that reads a load-back waits for it per
-        layer (`forward_with_load`).
+        worker thread while the pass runs (started here unless `batch.grammar_started`). A
+        batch that reads a load-back waits for it per layer (`forward_with_load`).
         """
         fb = self.make_forward_batch(batch)
-        if batch.forward_mode.is_extend():
-            batch.input_logprob_rows = input_logprob_rows(batch)
-            if batch.input_logprob_rows is not None:
-                fb.input_logprob_rows = global_rows(batch, batch.input_logprob_rows, self.device)
-        grammar = self.grammar_backend(batch.reqs)
-        if grammar is not None:
-            grammar.start_fill(batch.reqs)
+        self.prepare_input_logprobs(batch)
+        if batch.input_logprob_index is not None:
+            fb.input_logprob_rows = batch.input_logprob_index
+        if not batch.grammar_started:
+            grammar = self.grammar_backend(batch.reqs)
+            if grammar is not None:
+                grammar.start_fill(batch.reqs)
+            batch.grammar_started = True
         logits = self.forward_with_load(fb, batch.load_ticket)
         batch.input_logits = fb.input_logits
         return logits
@@ -250,23 +262,45 @@ class ModelRunner:
         finally:
             self.token_to_kv_pool.register_layer_transfer_counter(None)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: set[int]) -> list[int]:
-        """Pick one token per request; returns them as Python ints. Records output logprobs on
-        the requests that asked, and advances grammar matchers."""
+    def plan_sampling(self, reqs: list[Req], eos_ids: set[int], rows: list[int] | None = None) -> SamplingPlan:
+        """Read what sampling `reqs` needs from the requests (host side; device tensors are
+        made on the calling thread's stream). `rows`: the logits rows of `reqs` when they are
+        not all rows (a prefill's chunked request takes no token). Does not start grammar
+        masks (the forward or the overlap scheduler does)."""
         params = [r.sampling_params for r in reqs]
         histories = [(r.origin_input_ids, r.output_ids) for r in reqs]
-        info = SamplingBatchInfo.from_reqs(params, histories, self.vocab_size, logits.device,
-                                           eos_token_ids=eos_ids)
-        grammar = self.grammar_backend(reqs)
-        if grammar is not None:
-            mask = grammar.bitmask_for(reqs)
-            info.vocab_mask = mask.to(logits.device) if mask is not None else None
-        rows = logprob_rows(reqs)
+        device = self.device
+        info = SamplingBatchInfo.from_reqs(params, histories, self.vocab_size, device, eos_token_ids=eos_ids)
+        lp_rows = logprob_rows(reqs)
         with torch.inference_mode():
-            row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device) if rows else None
-            next_ids, logprobs = self.sampler.sample_and_logprobs(logits, info, row_index)
-            record_output_logprobs(reqs, rows, next_ids, logprobs)
-            ids = next_ids.tolist()
-        if grammar is not None:
-            grammar.accept(reqs, ids)
-        return ids
+            select = torch.tensor(rows, dtype=torch.int64, device=device) if rows is not None else None
+            index = torch.tensor(lp_rows, dtype=torch.int64, device=device) if lp_rows else None
+        top_k = max((reqs[i].top_logprobs_num for i in lp_rows), default=0)
+        grammar = self.grammar_backend(reqs) if any(r.sampling_params.grammar_key for r in reqs) else None
+        return SamplingPlan(info, select, lp_rows, index, top_k, grammar)
+
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Req], plan: SamplingPlan) -> SampleOutput:
+        """Sample one token per request from `logits` [B, V] (rows `plan.select`); device
+        tensors out, nothing read back to the host unless a grammar mask must be joined.
+        Request state is not changed (result processing records tokens and logprobs)."""
+        info = plan.info
+        if plan.grammar is not None:
+            mask = plan.grammar.bitmask_for(reqs)
+            info.vocab_mask = mask.to(logits.device) if mask is not None else None
+        with torch.inference_mode():
+            if plan.select is not None:
+                logits = logits.index_select(0, plan.select)
+            next_ids, logprobs = self.sampler.sample_and_logprobs(logits, info, plan.logprob_index)
+            out = SampleOutput(next_ids)
+            if plan.logprob_index is not None:
+                out.token_logprobs, out.top_values, out.top_ids = output_logprob_tensors(
+                    next_ids, logprobs, plan.logprob_index, plan.top_k)
+        return out
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req], eos_ids: set[int],
+               rows: list[int] | None = None) -> SampleResult:
+        """Plan, sample and read back in one go (the synchronous scheduler). Returns the host
+        result; the caller records tokens, logprobs and grammar steps on the requests."""
+        plan = self.plan_sampling(reqs, eos_ids, rows)
+        out = self.sample_on_device(logits, reqs, plan).to_host(non_blocking=False)
+        return SampleResult(out, plan.logprob_rows)

@@ -33,6 +33,7 @@ class Req:
         self.extend_input_len = 0
         self.finished_reason: Optional[dict[str, Any]] = None
         self.sent_offset = 0  # output ids already sent to the API process
+        self.finished_sent = False  # its final reply (with finished_reason) has been sent
 
         self.stop_token_ids = set(sampling_params.stop_token_ids or ())
         if not sampling_params.ignore_eos:
@@ -54,6 +55,13 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         # An xgrammar GrammarMatcher when the request is constrained (created at its first step).
         self.grammar: Any = None
+
+        # Overlap scheduling (hiserve.engine.scheduler_overlap); all stay 0 / None without it.
+        self.num_pending_tokens = 0  # sampled by a launched forward, not yet read back (0 or 1)
+        self.future_slot = -1  # where that token waits in the worker's future-token buffer
+        self.num_inflight = 0  # launched batches holding this request whose results are unprocessed
+        self.release_pending: Optional[bool] = None  # KV release deferred until num_inflight is 0:
+        # True = cache it (finished), False = free it uncached (an aborted chunked prompt)
 
     # ------------------------------------------------------------------ lengths
     @property
@@ -137,6 +145,25 @@ class ScheduleBatch:
     # of its extended tokens whose logits are wanted, and the logits the pass returned for them.
     input_logprob_rows: Optional[list[range]] = None
     input_logits: Optional[torch.Tensor] = None  # [sum of rows, V] float32
+    input_logprob_index: Optional[torch.Tensor] = None  # [sum of rows] int64 flat rows (device)
+    grammar_started: bool = False  # the grammar masks of its requests are being built
+    # Overlap scheduling: input_ids holds -(slot + 1) for tokens still in the worker's
+    # future-token buffer; `result` is the launched forward's ForwardResult.
+    has_future_ids: bool = False
+    result: Any = None
+
+    @property
+    def sampled_reqs(self) -> list[Req]:
+        """The requests that take a token from this pass (all but a chunked prompt)."""
+        if self.chunked_req is None:
+            return self.reqs
+        return [r for r in self.reqs if r is not self.chunked_req]
+
+    def sampled_rows(self) -> Optional[list[int]]:
+        """Logits rows of `sampled_reqs`, or None when that is every row."""
+        if self.chunked_req is None:
+            return None
+        return [i for i, r in enumerate(self.reqs) if r is not self.chunked_req]
 
     @property
     def batch_size(self) -> int:

@@ -28,10 +28,13 @@ from hiserve.engine.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
-from hiserve.engine.logprobs import init_req_logprobs, record_input_logprobs, request_options
+from hiserve.engine.logprobs import init_req_logprobs, request_options
 from hiserve.engine.model_runner import ModelRunner
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
+from hiserve.engine.sample_result import SampleResult
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
+from hiserve.engine.scheduler_overlap import OverlapSchedulerMixin
+from hiserve.engine.scheduler_results import SchedulerResultsMixin
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from hiserve.engine.tokenizer_spec import tokenizer_spec
 from hiserve.layers.forward_batch import ForwardMode
@@ -42,8 +45,6 @@ from hiserve.server_args import PortArgs, ServerArgs
 logger = logging.getLogger(__name__)
 
 _INIT_NEW_TOKEN_RATIO = 0.7
-_MIN_NEW_TOKEN_RATIO = 0.1
-_NEW_TOKEN_RATIO_DECAY = 0.001
 _IDLE_POLL_MS = 50
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
@@ -51,9 +52,11 @@ _IN_BATCH_PREFIX_MIN = 32
 _STORAGE_NAP_S = 0.001
 
 
-class Scheduler(SchedulerOutputMixin):
+class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMixin):
     """Owns the running batch, the waiting queue and the model runner; asks the KV manager
-    (`self.kv`, the only door to the KV hierarchy) for prefixes and slots."""
+    (`self.kv`, the only door to the KV hierarchy) for prefixes and slots. With overlap
+    scheduling (on unless `--disable-overlap-schedule`, see ServerArgs) `step` runs the
+    overlapped iteration of `hiserve.engine.scheduler_overlap`."""
 
     def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs]):
         self.server_args = server_args
@@ -77,6 +80,9 @@ class Scheduler(SchedulerOutputMixin):
         self._gen_tokens_since_log = 0
         self._last_log_time = time.monotonic()
 
+        if not server_args.disable_overlap_schedule:
+            self.init_overlap()
+
         self.outbox: list[Any] = []  # messages for the API process when no socket (tests)
         self.send_to_api = None
         if port_args is not None:
@@ -95,16 +101,22 @@ class Scheduler(SchedulerOutputMixin):
                               tokenizer_spec=tokenizer_spec(self.tokenizer))
 
     # ================================================================== loop
+    def has_work(self) -> bool:
+        """Requests waiting, running, mid-prompt, or a launched batch not yet processed."""
+        return bool(self.waiting_queue or self.running or self.chunked_req or self._in_flight)
+
     def event_loop(self) -> None:
         while True:
-            idle = not (self.waiting_queue or self.running or self.chunked_req)
-            for msg in self._recv_requests(block=idle):
+            for msg in self._recv_requests(block=not self.has_work()):
                 self._handle(msg)
             self.step()
             self.send_stats()
 
     def step(self) -> None:
         """One iteration: run a batch if there is one, then process cache events."""
+        if self.overlap_schedule:
+            self.step_overlap()
+            return
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.run_batch(batch)
@@ -186,13 +198,13 @@ class Scheduler(SchedulerOutputMixin):
             if recv.abort_all or req.rid == recv.rid:
                 req.abort("Aborted by AbortReq.")
         if self.chunked_req is not None and self.chunked_req.finished:
-            self.kv.release(self.chunked_req)
+            self._free_req_kv(self.chunked_req, cache=False)
             self._send_outputs([self.chunked_req])
             self.chunked_req = None
         self._reap_finished_running()
 
     def flush_cache(self) -> bool:
-        if self.waiting_queue or self.running or self.chunked_req or not self.kv.flush_cache():
+        if self.has_work() or not self.kv.flush_cache():
             return False
         self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
         return True
@@ -212,6 +224,8 @@ class Scheduler(SchedulerOutputMixin):
             "num_queue_reqs": len(self.waiting_queue),
             "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),
             "last_gen_throughput": self.stats.gen_throughput,
+            "overlap_schedule": self.overlap_schedule,
+            "num_overlapped_batches": self.num_overlapped_batches,
             "memory_usage": {"token_capacity": self.max_total_num_tokens},
         }
         if self.kv.is_hierarchical:
@@ -302,32 +316,45 @@ class Scheduler(SchedulerOutputMixin):
             req_pool_indices=self._to_device([r.kv.row for r in reqs]),
             seq_lens=self._to_device(seq_lens), seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=extend_lens, extend_prefix_lens_cpu=prefix_lens,
-            chunked_req=self.chunked_req, load_ticket=self.kv.start_loads())
+            chunked_req=self.chunked_req, load_ticket=self.kv.start_loads(self._in_flight_fence))
         self._log_prefill(reqs, extend_lens)
         return batch
 
     def prepare_decode(self) -> Optional[ScheduleBatch]:
         self._retract_until_fits()
-        reqs = self.running
+        reqs = self._decode_reqs()
         if not reqs:
             return None
-        # KV of output token i is written when it is fed back: position seqlen - 1.
-        seq_lens = [r.seqlen for r in reqs]
+        # KV of output token i is written when it is fed back: position seqlen - 1. A token still
+        # in flight (overlap) counts in the length, and its id comes from the future buffer.
+        seq_lens = [r.seqlen + r.num_pending_tokens for r in reqs]
+        input_ids = [-(r.future_slot + 1) if r.num_pending_tokens else r.output_ids[-1] for r in reqs]
         out_cache_loc = self.kv.alloc_decode(reqs)
         return ScheduleBatch(
-            reqs=list(reqs), forward_mode=ForwardMode.DECODE,
-            input_ids=self._to_device([r.output_ids[-1] for r in reqs]),
-            positions=self._to_device([s - 1 for s in seq_lens]),
+            reqs=reqs, forward_mode=ForwardMode.DECODE,
+            input_ids=self._to_device(input_ids), positions=self._to_device([s - 1 for s in seq_lens]),
             out_cache_loc=self._to_device(out_cache_loc),
             req_pool_indices=self._to_device([r.kv.row for r in reqs]),
             seq_lens=self._to_device(seq_lens), seq_lens_cpu=seq_lens,
-            extend_seq_lens_cpu=[1] * len(reqs), extend_prefix_lens_cpu=[s - 1 for s in seq_lens])
+            extend_seq_lens_cpu=[1] * len(reqs), extend_prefix_lens_cpu=[s - 1 for s in seq_lens],
+            has_future_ids=any(r.num_pending_tokens for r in reqs))
+
+    def _decode_reqs(self) -> list[Req]:
+        """The running requests the next decode step serves: all, except (overlap only) one
+        whose token in flight is certain to end it by length (it would decode for nothing)."""
+        def ends(r: Req) -> bool:
+            n = len(r.output_ids) + r.num_pending_tokens
+            return r.num_pending_tokens > 0 and (n >= r.max_new_tokens or r.seqlen + 1 >= self.context_len)
+        return [r for r in self.running if not ends(r)]
 
     def _retract_until_fits(self) -> None:
         """Move running requests back to the waiting queue until one decode step fits."""
+        if self.kv.room() < self.kv.decode_need(self._decode_reqs()):
+            self._drain_in_flight()  # overlap: retract only with no forward in flight
         retracted = []
-        while self.running and self.kv.room() < self.kv.decode_need(self.running):
+        while self.running and self.kv.room() < self.kv.decode_need(self._decode_reqs()):
             req = self.running.pop()  # the most recently admitted loses its place
+            assert req.num_inflight == 0, "retracting a request a running forward still holds"
             retracted.append(req)
             # Its KV goes into the prefix cache (unlocked), so readmission re-uses what survives.
             self.kv.cache(req, finished=True)
@@ -339,74 +366,24 @@ class Scheduler(SchedulerOutputMixin):
 
     # ================================================================== run + results
     def run_batch(self, batch: ScheduleBatch) -> None:
+        """Synchronous: forward, sample, read back, process."""
         logits = self.model_runner.forward(batch)
         if batch.forward_mode.is_extend():
             self.process_prefill_result(batch, logits)
         else:
             self.process_decode_result(batch, logits)
 
+    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor) -> Optional[SampleResult]:
+        reqs = batch.sampled_reqs
+        if not reqs:
+            return None
+        return self.model_runner.sample(logits, reqs, self.eos_token_ids, batch.sampled_rows())
+
     def process_prefill_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
-        record_input_logprobs(batch)
-        done = [i for i, r in enumerate(batch.reqs) if r is not batch.chunked_req]
-        if done:
-            next_ids = self.model_runner.sample(logits[done], [batch.reqs[i] for i in done],
-                                                self.eos_token_ids)
-        hit = sum(batch.extend_prefix_lens_cpu)
-        self.stats.cache_hit_rate = hit / max(1, hit + sum(batch.extend_seq_lens_cpu))
-        finished = []
-        for i, tok in zip(done, next_ids if done else []):
-            req = batch.reqs[i]
-            req.output_ids.append(tok)
-            if req.max_new_tokens == 0:
-                req.finished_reason = {"type": "length", "length": 0}
-            elif not req.finished:
-                self._check_finished(req)
-            if req.finished:
-                self.kv.cache(req, finished=True)
-                finished.append(req)
-            else:
-                # Insert the prompt now, so requests arriving meanwhile share it.
-                self.kv.cache(req, finished=False)
-                self.running.append(req)
-        if batch.chunked_req is not None:
-            req = batch.chunked_req
-            self.kv.cache(req, finished=False)
-            req.fill_ids = req.origin_input_ids + req.output_ids
-        self._send_outputs([batch.reqs[i] for i in done])
+        self.process_prefill_tokens(batch, self._sample(batch, logits))
 
     def process_decode_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
-        next_ids = self.model_runner.sample(logits, batch.reqs, self.eos_token_ids)
-        for req, tok in zip(batch.reqs, next_ids):
-            req.output_ids.append(tok)
-            self._check_finished(req)
-        self._gen_tokens_since_log += len(batch.reqs)
-        self._decode_steps += 1
-        self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
-        self._send_outputs(batch.reqs)
-        self._reap_finished_running()
-        if self._decode_steps % self.server_args.decode_log_interval == 0:
-            self._log_decode()
-
-    def _check_finished(self, req: Req) -> None:
-        """`req.check_finished`, isolated: if it raises (a stop-string decode of a bad id,
-        say), only this request ends, with a 500 error; the batch's others go on."""
-        try:
-            req.check_finished(self.tokenizer, self.context_len)
-        except Exception as e:  # any failure of one request's update is that request's alone
-            logger.exception("request %s: checking its stop conditions failed", req.rid)
-            req.abort(f"Internal error while processing the output: {type(e).__name__}: {e}",
-                      status_code=500)
-
-    def _reap_finished_running(self) -> None:
-        still = []
-        for req in self.running:
-            if req.finished:
-                self.kv.cache(req, finished=True)
-                if req.finished_reason["type"] == "abort":
-                    self._send_outputs([req])
-            else:
-                still.append(req)
-        self.running = still
+        self.process_decode_tokens(batch, self._sample(batch, logits))
 
 
 def _die_with_parent() -> None:

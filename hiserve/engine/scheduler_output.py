@@ -38,6 +38,7 @@ class SchedulerOutputMixin:
             out.new_output_ids.append(req.output_ids[req.sent_offset:n_report])
             req.sent_offset = n_report
             out.finished_reasons.append(req.finished_reason)
+            req.finished_sent = req.finished
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(n_report)
             out.cached_tokens_device.append(req.kv.cached_tokens_device)

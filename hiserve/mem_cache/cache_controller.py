@@ -172,10 +172,12 @@ class HiCacheController:
         starts at the next `start_loading()`."""
         self.load_queue.append(_LoadOp(host_indices, device_indices, [node_id], list(after or ())))
 
-    def start_loading(self) -> LoadTicket | None:
+    def start_loading(self, after: "torch.cuda.Event | None" = None) -> LoadTicket | None:
         """Issue every queued load as one layer-by-layer copy; None when nothing was queued.
 
-        Returns the ticket the consuming batch's forward must carry (see `LoadTicket`).
+        after: a CUDA event the copies must also wait for (overlap scheduling: the forward
+        still running on the worker's stream, which the compute-stream event below does not
+        cover). Returns the ticket the consuming batch's forward must carry (see `LoadTicket`).
         """
         if not self.load_queue:
             return None
@@ -197,6 +199,8 @@ class HiCacheController:
         start.record()  # after earlier compute that last used these device slots
         with torch.cuda.stream(self.load_stream):
             self.load_stream.wait_event(start)
+            if after is not None:
+                self.load_stream.wait_event(after)
             for w in (w for op in ops for w in op.after if w.finish_event is not None):
                 self.load_stream.wait_event(w.finish_event)
             for layer_id in range(self.layer_num):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -84,6 +84,14 @@ class KVRequest(Protocol):
     output_ids: list[int]
     fill_ids: list[int]
     kv: ReqKV
+    # Tokens a launched forward has sampled whose ids the host does not have yet (overlap
+    # scheduling; 0 otherwise): they count in the sequence (`_seq_len`), not in output_ids.
+    num_pending_tokens: int
+
+
+def _seq_len(req: KVRequest) -> int:
+    """Positions of the sequence, including a token still in flight (overlap scheduling)."""
+    return len(req.origin_input_ids) + len(req.output_ids) + getattr(req, "num_pending_tokens", 0)
 
 
 @dataclass
@@ -199,10 +207,19 @@ class KVManager:
         kv.handle = m.host_handle
         return slots
 
-    def start_loads(self) -> object | None:
+    def start_loads(self, fence: Callable[[], object | None] | None = None) -> object | None:
         """Issue the load-backs queued by this round's admissions; returns the ticket the
-        consuming batch's forward carries (None: nothing to load)."""
-        return self.h.controller.start_loading() if self.is_hierarchical else None
+        consuming batch's forward carries (None: nothing to load).
+
+        fence: with overlap scheduling a forward may still be running that reads slots freed
+        meanwhile (a request's duplicate prefix slots) which a load-back now overwrites. Called
+        only when loads are queued, it returns once the load may be ordered after that
+        forward: a CUDA event the load stream waits for, or None (nothing left to wait for;
+        on the CPU it blocks until the forward has finished)."""
+        if not self.is_hierarchical or not self.h.controller.load_queue:
+            return None
+        after = fence() if fence is not None else None
+        return self.h.controller.start_loading(after=after)
 
     # ------------------------------------------------------------------ allocation
 
@@ -253,11 +270,12 @@ class KVManager:
         return out
 
     def alloc_decode(self, reqs: list[KVRequest]) -> torch.Tensor:
-        """One slot per request for its position seqlen - 1 (the KV of its newest token).
+        """One slot per request for its position seqlen - 1 (the KV of its newest token; the
+        sequence length counts a token still in flight, see `KVRequest.num_pending_tokens`).
 
         Returns int64 CPU `[len(reqs)]`. Raises RuntimeError when the pool is exhausted
         (the scheduler retracts until `room()` covers `decode_need()` first)."""
-        seq_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        seq_lens = [_seq_len(r) for r in reqs]
         rows = [r.kv.row for r in reqs]
         cpu = self.rtt.req_to_token_cpu
         last_loc = cpu[torch.tensor(rows), torch.tensor(seq_lens) - 2].to(torch.int64)
@@ -273,7 +291,7 @@ class KVManager:
 
     def decode_need(self, reqs: list[KVRequest]) -> int:
         """Tokens of new pages the next decode step of `reqs` takes."""
-        lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        lens = [_seq_len(r) for r in reqs]
         return self.new_pages([n - 1 for n in lens], lens) * self.page_size
 
     def room(self) -> int:
@@ -286,7 +304,8 @@ class KVManager:
         """Hand the request's computed KV to the prefix cache.
 
         finished (or retracted): tokens with KV are `(origin_input_ids + output_ids)[:-1]`;
-        the aligned part goes into the cache, duplicates and the unaligned tail are freed,
+        the aligned part goes into the cache, duplicates and the unaligned tail (up to
+        `kv_len`, which covers a dropped extra token's slot under overlap scheduling) are freed,
         the row is freed and the lock dropped. Unfinished (after a prefill chunk): `fill_ids`
         go in, the row is re-pointed at the cache's slots, the lock moves to the new end.
         """
@@ -302,7 +321,9 @@ class KVManager:
         assert res.cached_len >= kv.cache_len, "the request's locked prefix left the cache"
         self.allocator.free(slots[kv.cache_len:res.cached_len])  # duplicates
         if finished:
-            self.allocator.free(slots[aligned:kv.kv_len])
+            # kv_len may exceed n by one: overlap scheduling's extra token of a request that a
+            # launched forward held when it finished (its slot is freed with the tail).
+            self.allocator.free(self.rtt.slots(kv.row, aligned, kv.kv_len))
             self._drop(req)
             return
         tree_slots = self.prefix_cache.match(token_ids[:aligned]).device_indices

@@ -80,18 +80,19 @@ SCENARIOS = [
     pytest.param("llama3-8b", marks=_cuda),
     pytest.param("deepseek-mla", marks=_cuda),
     pytest.param("cpu-tiny-llama"),
+    pytest.param("cpu-tiny-llama-overlap"),  # the same, with overlap scheduling forced on
 ]
 
 
 def make_scenario(name: str, folder: str) -> Scenario:
-    if name == "cpu-tiny-llama":
+    if name.startswith("cpu-tiny-llama"):
         path = write_dummy_model(folder, "tiny-llama")
         vocab = hf_config("tiny-llama")["vocab_size"]
         return Scenario(name=name, model_path=path, backend="torch_native", dtype="float32", page_size=16,
                         small_pool_tokens=512, big_pool_tokens=4096, hicache_ratio=8,
                         stress=Workload(**CPU_STRESS, vocab_size=vocab),
                         identity=Workload(**CPU_IDENTITY, vocab_size=vocab), concurrency=4,
-                        extra_args=["--device", "cpu"])
+                        extra_args=["--device", "cpu", *(["--enable-overlap-schedule"] if "overlap" in name else [])])
     path = write_dummy_model(folder, name)
     vocab = hf_config(name)["vocab_size"]
     if name == "deepseek-mla":
