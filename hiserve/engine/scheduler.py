@@ -33,7 +33,7 @@ from hiserve.engine.model_runner import ModelRunner
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.engine.sample_result import SampleResult
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
-from hiserve.engine.scheduler_overlap import OverlapSchedulerMixin
+from hiserve.engine.scheduler_overlap import STORAGE_NAP_S, OverlapSchedulerMixin
 from hiserve.engine.scheduler_results import SchedulerResultsMixin
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from hiserve.engine.tokenizer_spec import tokenizer_spec
@@ -49,7 +49,6 @@ _IDLE_POLL_MS = 50
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
 _IN_BATCH_PREFIX_MIN = 32
-_STORAGE_NAP_S = 0.001
 
 
 class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMixin):
@@ -121,7 +120,7 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
         if batch is not None:
             self.run_batch(batch)
         elif self.kv.storage_busy():
-            time.sleep(_STORAGE_NAP_S)  # requests wait on storage: let its worker run
+            time.sleep(STORAGE_NAP_S)  # requests wait on storage: let its worker run
         self.check_cache_events()
 
     def check_cache_events(self) -> None:

@@ -35,12 +35,17 @@ Semantics kept equal to the synchronous loop:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.engine.tp_worker_overlap import OverlapWorker
 
 logger = logging.getLogger("hiserve.engine.scheduler")
+
+# Idle while a storage prefetch holds queued requests: a 1 ms nap instead of a spin that
+# would starve the storage worker thread of the GIL.
+STORAGE_NAP_S = 0.001
 
 
 def samples_from_history(req: Req) -> bool:
@@ -82,6 +87,8 @@ class OverlapSchedulerMixin:
                 self.num_overlapped_batches += 1
         if prev is not None:
             self._process_in_flight(prev)
+        elif batch is None and self.kv.storage_busy():
+            time.sleep(STORAGE_NAP_S)  # requests wait on storage: let its worker thread run
         self.check_cache_events()
 
     def _must_drain(self, batch: ScheduleBatch) -> bool:
