@@ -47,6 +47,11 @@ def run_all(sched: Scheduler, on_step=None, max_steps: int = 5000) -> dict[str, 
         sched.check_cache_events()  # with the integrity check on, verifies every iteration
         steps += 1
         assert steps < max_steps, "scheduler did not converge"
+    return collect_outputs(sched)
+
+
+def collect_outputs(sched: Scheduler) -> dict[str, tuple[list[int], dict]]:
+    """Each request's streamed token ids and finish reason, from the scheduler's outbox (cleared)."""
     outs: dict[str, tuple[list[int], dict]] = {}
     for msg in sched.outbox:
         if not isinstance(msg, BatchTokenIDOut):

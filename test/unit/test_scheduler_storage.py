@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from hiserve.engine.io_struct import AbortReq, BatchTokenIDOut
 
-from test_scheduler import PROMPTS, assert_no_leak, chat_ids, make_scheduler, run_all, submit
+from test_scheduler import PROMPTS, assert_no_leak, chat_ids, collect_outputs, make_scheduler, run_all, submit
 
 
 class _Watch:
@@ -35,9 +37,24 @@ class _Watch:
         return [m.cached_tokens_storage[m.rids.index(rid)] for m in self.msgs if rid in m.rids]
 
 
-def test_restart_serves_the_prefix_from_storage_and_abort_in_queue_frees_it(tmp_path):
+def drive(sched, watch: _Watch) -> dict:
+    """Run every request to completion: the synchronous loop step by step (run_all), or the
+    overlap loop through `step()` (which naps itself while storage holds the queue)."""
+    if not sched.overlap_schedule:
+        return run_all(sched, on_step=watch)
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        assert steps < 20000, "scheduler did not converge"
+    return collect_outputs(sched)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_restart_serves_the_prefix_from_storage_and_abort_in_queue_frees_it(tmp_path, overlap):
     extra = json.dumps({"file_storage_path": str(tmp_path), "prefetch_threshold": 16})
     common = dict(max_total_tokens=1024, page_size=16, chunked_prefill_size=-1,
+                  enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
                   enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_storage_backend="file",
                   hicache_storage_backend_extra_config=extra)
     first = make_scheduler(**common)
@@ -45,17 +62,18 @@ def test_restart_serves_the_prefix_from_storage_and_abort_in_queue_frees_it(tmp_
     assert len(ids) >= 64
     submit(first, "r", ids, max_new=8)
     watch = _Watch(first)
-    out_first = run_all(first, on_step=watch)["r"][0]
+    out_first = drive(first, watch)["r"][0]
     assert set(watch.storage_tokens("r")) == {0}
     assert_no_leak(first)  # flush waits for the storage worker: every page is written
     assert first.internal_state()["storage"]["backuped_tokens_total"] >= len(ids) - 16
     first.model_runner.kv_hierarchy.close()
 
     second = make_scheduler(**common, hicache_storage_prefetch_policy="wait_complete")
+    assert second.overlap_schedule == overlap
     submit(second, "r", ids, max_new=8)
     assert second.waiting_queue[0].kv.prefetch is not None  # started at queue entry
     watch = _Watch(second)
-    out_second = run_all(second, on_step=watch)["r"][0]
+    out_second = drive(second, watch)["r"][0]
     assert out_second == out_first
     aligned = (len(ids) - 1) // 16 * 16
     assert set(watch.storage_tokens("r")) == {aligned}
@@ -66,7 +84,7 @@ def test_restart_serves_the_prefix_from_storage_and_abort_in_queue_frees_it(tmp_
     assert second.waiting_queue[0].kv.prefetch is not None
     second.abort_request(AbortReq(rid="y"))
     assert not second.waiting_queue
-    run_all(second, on_step=_Watch(second))
+    drive(second, _Watch(second))
     second.kv.prefix_cache.storage.wait_idle(10)
     second.check_cache_events()
     assert not second.kv.prefix_cache._prefetch_ops
