@@ -163,79 +163,100 @@ class SamplingBatchInfo:
             need_min_p=any(s and p.min_p > 0.0 for s, p in zip(sampled, params)),
         )
 
-        # Repetition penalty: a [B, V] mask of tokens seen in prompt + output.
-        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if rep_rows:
-            rows, ids = [], []
-            for i in rep_rows:
-                prompt_ids, output_ids = history(i)
-                rows.extend([i] * (len(prompt_ids) + len(output_ids)))
-                ids.extend(prompt_ids)
-                ids.extend(output_ids)
-            mask = torch.zeros(bs, vocab_size, dtype=torch.bool, device=device)
-            mask[as_tensor(rows, torch.int64), as_tensor(ids, torch.int64)] = True
-            info.repetition_mask = mask
-            info.repetition_penalties = as_tensor(
-                [float(p.repetition_penalty) for p in params], torch.float32).view(bs, 1)
-
-        # Frequency / presence penalties: [B, V] counts of output tokens.
-        add_rows = [i for i, p in enumerate(params)
-                    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-        if add_rows:
-            rows, ids = [], []
-            for i in add_rows:
-                output_ids = history(i)[1]
-                rows.extend([i] * len(output_ids))
-                ids.extend(output_ids)
-            counts = torch.zeros(bs, vocab_size, dtype=torch.float32, device=device)
-            if ids:
-                counts.index_put_((as_tensor(rows, torch.int64), as_tensor(ids, torch.int64)),
-                                  torch.ones(len(ids), dtype=torch.float32, device=device),
-                                  accumulate=True)
-            info.output_counts = counts
-            info.frequency_penalties = as_tensor(
-                [float(p.frequency_penalty) for p in params], torch.float32).view(bs, 1)
-            info.presence_penalties = as_tensor(
-                [float(p.presence_penalty) for p in params], torch.float32).view(bs, 1)
-
-        # min_new_tokens: (row, stop id) pairs to forbid this step.
-        rows, ids = [], []
-        for i, p in enumerate(params):
-            if p.min_new_tokens <= 0 or len(history(i)[1]) >= p.min_new_tokens:
-                continue
-            stop_ids = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                stop_ids.update(eos_token_ids)
-            stop_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
-            rows.extend([i] * len(stop_ids))
-            ids.extend(stop_ids)
-        if ids:
-            info.min_tokens_rows = as_tensor(rows, torch.int64)
-            info.min_tokens_ids = as_tensor(ids, torch.int64)
-
-        # logit_bias: sparse (row, token, bias) triples, added with one scatter.
-        rows, ids, values = [], [], []
-        for i, p in enumerate(params):
-            for token, bias in (p.logit_bias or {}).items():
-                if 0 <= int(token) < vocab_size:
-                    rows.append(i)
-                    ids.append(int(token))
-                    values.append(float(bias))
-        if rows:
-            info.logit_bias_rows = as_tensor(rows, torch.int64)
-            info.logit_bias_ids = as_tensor(ids, torch.int64)
-            info.logit_bias_values = as_tensor(values, torch.float32)
-
-        # Seeded rows: a generator per row, seeded from (seed, output position).
-        info.generators = [None] * bs
-        for i, p in enumerate(params):
-            if p.sampling_seed is None or greedy[i]:
-                continue
-            gen = torch.Generator(device=device)
-            gen.manual_seed(step_seed(int(p.sampling_seed), len(history(i)[1])))
-            info.generators[i] = gen
-            info.seeded_rows.append(i)
+        _add_penalties(info, params, history, vocab_size, device)
+        _add_min_tokens(info, params, history, vocab_size, eos_token_ids, device)
+        _add_logit_bias(info, params, vocab_size, device)
+        _add_generators(info, params, history, greedy, device)
         return info
+
+
+def _as_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _add_penalties(info: "SamplingBatchInfo", params: Sequence[SamplingParams], history,
+                   vocab_size: int, device: torch.device) -> None:
+    """Repetition penalty: a [B, V] bool mask of tokens seen in prompt + output; frequency /
+    presence penalties: [B, V] float32 counts of output tokens (only rows that use them)."""
+    bs = len(params)
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        rows, ids = [], []
+        for i in rep_rows:
+            prompt_ids, output_ids = history(i)
+            rows.extend([i] * (len(prompt_ids) + len(output_ids)))
+            ids.extend(prompt_ids)
+            ids.extend(output_ids)
+        mask = torch.zeros(bs, vocab_size, dtype=torch.bool, device=device)
+        mask[_as_tensor(rows, torch.int64, device), _as_tensor(ids, torch.int64, device)] = True
+        info.repetition_mask = mask
+        info.repetition_penalties = _as_tensor(
+            [float(p.repetition_penalty) for p in params], torch.float32, device).view(bs, 1)
+    add_rows = [i for i, p in enumerate(params)
+                if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if not add_rows:
+        return
+    rows, ids = [], []
+    for i in add_rows:
+        output_ids = history(i)[1]
+        rows.extend([i] * len(output_ids))
+        ids.extend(output_ids)
+    counts = torch.zeros(bs, vocab_size, dtype=torch.float32, device=device)
+    if ids:
+        counts.index_put_((_as_tensor(rows, torch.int64, device), _as_tensor(ids, torch.int64, device)),
+                          torch.ones(len(ids), dtype=torch.float32, device=device), accumulate=True)
+    info.output_counts = counts
+    info.frequency_penalties = _as_tensor(
+        [float(p.frequency_penalty) for p in params], torch.float32, device).view(bs, 1)
+    info.presence_penalties = _as_tensor(
+        [float(p.presence_penalty) for p in params], torch.float32, device).view(bs, 1)
+
+
+def _add_min_tokens(info: "SamplingBatchInfo", params: Sequence[SamplingParams], history,
+                    vocab_size: int, eos_token_ids: Sequence[int], device: torch.device) -> None:
+    """min_new_tokens: the (row, stop id) pairs to forbid this step."""
+    rows, ids = [], []
+    for i, p in enumerate(params):
+        if p.min_new_tokens <= 0 or len(history(i)[1]) >= p.min_new_tokens:
+            continue
+        stop_ids = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        stop_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+        rows.extend([i] * len(stop_ids))
+        ids.extend(stop_ids)
+    if ids:
+        info.min_tokens_rows = _as_tensor(rows, torch.int64, device)
+        info.min_tokens_ids = _as_tensor(ids, torch.int64, device)
+
+
+def _add_logit_bias(info: "SamplingBatchInfo", params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device) -> None:
+    """logit_bias: sparse (row, token, bias) triples, added with one scatter."""
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            if 0 <= int(token) < vocab_size:
+                rows.append(i)
+                ids.append(int(token))
+                values.append(float(bias))
+    if rows:
+        info.logit_bias_rows = _as_tensor(rows, torch.int64, device)
+        info.logit_bias_ids = _as_tensor(ids, torch.int64, device)
+        info.logit_bias_values = _as_tensor(values, torch.float32, device)
+
+
+def _add_generators(info: "SamplingBatchInfo", params: Sequence[SamplingParams], history,
+                    greedy: Sequence[bool], device: torch.device) -> None:
+    """Seeded rows: a generator per row, seeded from (seed, output position)."""
+    info.generators = [None] * len(params)
+    for i, p in enumerate(params):
+        if p.sampling_seed is None or greedy[i]:
+            continue
+        gen = torch.Generator(device=device)
+        gen.manual_seed(step_seed(int(p.sampling_seed), len(history(i)[1])))
+        info.generators[i] = gen
+        info.seeded_rows.append(i)
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
