@@ -22,8 +22,10 @@ dtype: the same values the dequantized path (`--quantization none`) serves.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from hiserve.layers.linear import linear as dense_linear
 
 GROUP_SIZE = 32  # values per llama.cpp block, and the kernel's group size
 INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type name -> bytes per 32-value block
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
 @dataclass
@@ -139,6 +142,12 @@ class GGUFInt4Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.dense_weight: torch.Tensor | PackedLinear | None = None
         self.dense_from_rows = sys.maxsize  # rows from which `forward` takes the dense copy
+        # Plain-attribute aliases for `forward` (runs ~120 times a decode step): nn.Module's
+        # __getattr__ for buffers, parameters and submodules costs more than the int4 call.
+        object.__setattr__(self, "_bias", self.bias)
+        self._w4: torch.Tensor | None = None
+        self._sz: torch.Tensor | None = None
+        self._dense_call: Callable[[torch.Tensor], torch.Tensor] | None = None
         groups = in_features // GROUP_SIZE
         # Load-time staging, freed by finalize(): codes 1 byte a value, scale/zero fp32 per group.
         self._codes: torch.Tensor | None = torch.empty(out_features, in_features, dtype=torch.uint8)
@@ -181,28 +190,31 @@ class GGUFInt4Linear(nn.Module):
         self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self._codes.to(torch.int32), 1)
         self.scales_and_zeros = torch.stack([self._scale, self._zero], dim=-1).transpose(0, 1).contiguous().to(
             self.dtype)  # [K/32, N, 2]
+        self._w4, self._sz = self.packed_weight, self.scales_and_zeros
         if self._dense is not None:
             dense = self._dense
-            self.dense_weight = PackedLinear(dense, None) if can_pack_for_cpu(dense.device, dense.dtype) else dense
+            if can_pack_for_cpu(dense.device, dense.dtype):
+                self.dense_weight = PackedLinear(dense, None)
+                self._dense_call = self.dense_weight.forward
+            else:
+                self.dense_weight = dense
+                self._dense_call = functools.partial(dense_linear, weight=dense)
         self._codes = self._scale = self._zero = self._dense = None
 
     def drop_dense_copy(self) -> None:
         """Free the dense copy; every call then takes the int4 kernel."""
-        self.dense_weight, self.dense_from_rows = None, sys.maxsize
+        self.dense_weight, self._dense_call, self.dense_from_rows = None, None, sys.maxsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_weight is not None and x.shape[0] >= self.dense_from_rows:
-            y = self._dense_matmul(x)
-        else:
-            y = self._matmul(x)
-        return y if self.bias is None else y + self.bias
+        # dense_from_rows is sys.maxsize while there is no dense copy
+        y = self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
+        return y if self._bias is None else y + self._bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed_weight, GROUP_SIZE,
-                                                          self.scales_and_zeros)
+        return _INT4_MM(x.contiguous(), self._w4, GROUP_SIZE, self._sz)
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.dense_weight)
+        return self._dense_call(x)
 
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
