@@ -1,7 +1,8 @@
 """Peak resident memory (VmHWM) of the server's processes: GGUF-native int4 vs dequantized bf16.
 
-Starts the server (test/e2e/server.py's launcher: `python -m hiserve.launch_server`) once per
-`--quantization` value with `--dtype bfloat16`, waits for /health (after warm-up), runs a few
+Starts the server (test/e2e/server.py's launcher: `python -m hiserve.launch_server`) with
+`--dtype bfloat16` for `--quantization none`, `gguf` (int4 + the dense copy for many rows, the
+default) and `gguf` with HISERVE_GGUF_DENSE_COPY=0 (int4 only), waits for /health (after warm-up), runs a few
 chat requests, then reads VmHWM and VmRSS of every process in the server's session from
 /proc and stops it. The scheduler process holds the weights and the KV pool.
 
@@ -46,8 +47,10 @@ def session_memory(sid: int) -> list[dict]:
     return rows
 
 
-def measure(quantization: str, extra: list[str]) -> dict:
-    proc, url = popen_launch_server(["--dtype", "bfloat16", "--quantization", quantization, *extra])
+def measure(quantization: str, extra: list[str], dense_copy: bool = True) -> dict:
+    """Peak memory of one server; `dense_copy` False sets HISERVE_GGUF_DENSE_COPY=0 (int4 only)."""
+    env = None if dense_copy else {"HISERVE_GGUF_DENSE_COPY": "0"}
+    proc, url = popen_launch_server(["--dtype", "bfloat16", "--quantization", quantization, *extra], env=env)
     try:
         for q in ("What is the capital of France?", "Write a haiku about autumn leaves."):
             r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
@@ -56,7 +59,7 @@ def measure(quantization: str, extra: list[str]) -> dict:
         procs = session_memory(proc.pid)
     finally:
         kill(proc)
-    return {"quantization": quantization, "processes": procs,
+    return {"quantization": quantization, "dense_copy": dense_copy, "processes": procs,
             "max_vm_hwm_mib": max(p["vm_hwm_mib"] for p in procs),
             "sum_vm_hwm_mib": sum(p["vm_hwm_mib"] for p in procs)}
 
@@ -68,11 +71,13 @@ def main() -> None:
     ap.add_argument("--extra-args", default="", help="more server flags, one string")
     ap.add_argument("--out", default=str(REPO / "benchmark" / "results" / "cpu_bench_linear_rss.json"))
     args = ap.parse_args()
-    runs = [measure(q, shlex.split(args.extra_args)) for q in ("none", "gguf")]
-    print(f"{'quantization':>12} {'process':>10} {'VmHWM MiB':>10} {'VmRSS MiB':>10}")
+    extra = shlex.split(args.extra_args)
+    runs = [measure("none", extra), measure("gguf", extra), measure("gguf", extra, dense_copy=False)]
+    print(f"{'quantization':>22} {'process':>10} {'VmHWM MiB':>10} {'VmRSS MiB':>10}")
     for run in runs:
+        name = run["quantization"] + ("" if run["quantization"] == "none" or run["dense_copy"] else " (int4 only)")
         for p in sorted(run["processes"], key=lambda p: -p["vm_hwm_mib"]):
-            print(f"{run['quantization']:>12} {p['pid']:>10} {p['vm_hwm_mib']:>10.0f} {p['vm_rss_mib']:>10.0f}  {p['cmd'][:60]}")
+            print(f"{name:>22} {p['pid']:>10} {p['vm_hwm_mib']:>10.0f} {p['vm_rss_mib']:>10.0f}  {p['cmd'][:60]}")
     result = {"benchmark": "cpu_bench_linear_rss", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cpu": lscpu(), "runs": runs}
     Path(args.out).write_text(json.dumps(result, indent=1))

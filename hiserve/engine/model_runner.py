@@ -14,6 +14,7 @@ from hiserve.engine.sampler import Sampler, SamplingBatchInfo
 from hiserve.engine.schedule_batch import Req, ScheduleBatch
 from hiserve.layers.attention.base import AttentionBackend
 from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.layers.quantization import setup_int4_dispatch
 from hiserve.mem_cache.hierarchy import KVSpec, build_kv_hierarchy, cell_size_bytes, reserved_device_bytes
 from hiserve.models.loader import load_model
 from hiserve.models.model_config import ModelConfig
@@ -100,6 +101,8 @@ class ModelRunner:
         self.model.eval()
         if getattr(self.model, "pack_for_cpu", None) is not None and self.model.pack_for_cpu():
             logger.info("Linear weights prepacked for oneDNN (CPU, %s)", server_args.dtype)
+        if self.device.type == "cpu":  # GGUF int4 layers: int4 or dense GEMM by rows, timed here
+            setup_int4_dispatch(self.model)
         model_max = self.model_config.max_position_embeddings
         if server_args.context_length is not None and server_args.context_length > model_max:
             raise ValueError(f"--context-length {server_args.context_length} exceeds the model's "

@@ -156,6 +156,29 @@ def paged_attention(
     Raises:
         ValueError: dtypes, devices or shapes the kernel does not take.
     """
+    dt, i64 = q.dtype, torch.int64
+    # One boolean pass on the hot path (decode calls this once per layer and step); the
+    # detailed checks run only when it fails, to raise with the reason.
+    if not (dt in _DTYPES and q.is_cpu and k_buf.is_cpu and v_buf.is_cpu and k_buf.dtype == dt
+            and v_buf.dtype == dt and k_buf.dim() == 3 and v_buf.dim() == 3 and k_buf.is_contiguous()
+            and v_buf.is_contiguous() and q.dim() == 2 and q.stride(1) == 1
+            and req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+            and req_pool_indices.dtype == i64 and seq_lens.dtype == i64 and q_starts.dtype == i64
+            and req_pool_indices.is_cpu and seq_lens.is_cpu and q_starts.is_cpu
+            and req_pool_indices.is_contiguous() and seq_lens.is_contiguous() and q_starts.is_contiguous()
+            and q_starts.numel() == seq_lens.numel() + 1 == req_pool_indices.numel() + 1
+            and q.shape[1] == num_q_heads * k_buf.shape[2]):
+        _validate_paged_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, q_starts, num_q_heads)
+    out = q.new_empty((q.shape[0], num_q_heads * v_buf.shape[2]))
+    load_cpu_module().paged_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
+                                      num_q_heads, k_buf.shape[1], float(scale), torch.get_num_threads())
+    return out
+
+
+def _validate_paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                              req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                              q_starts: torch.Tensor, num_q_heads: int) -> None:
+    """Raise ValueError with the first reason `paged_attention` cannot take these inputs."""
     _check_float(q, k_buf, v_buf)
     _check(k_buf.dim() == 3 and v_buf.dim() == 3 and k_buf.is_contiguous() and v_buf.is_contiguous(),
            "k_buf/v_buf must be contiguous [slots, heads, dim]")
@@ -165,10 +188,6 @@ def paged_attention(
         _check(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu", "index tensors: int64 CPU")
     _check(q_starts.numel() == seq_lens.numel() + 1 == req_pool_indices.numel() + 1, "q_starts must be [B + 1]")
     _check(q.shape[1] == num_q_heads * k_buf.shape[2], "q width must be num_q_heads * head_dim")
-    out = q.new_empty((q.shape[0], num_q_heads * v_buf.shape[2]))
-    load_cpu_module().paged_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
-                                      num_q_heads, k_buf.shape[1], float(scale), torch.get_num_threads())
-    return out
 
 
 def rmsnorm(
@@ -176,16 +195,21 @@ def rmsnorm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> RMSNorm(x) [T, H]; with residual [T, H]: (RMSNorm(x + residual), x + residual).
     Rounds as `hiserve.layers.norms.rmsnorm_reference` does. Raises ValueError on bad input."""
-    _check_float(x, weight)
-    _check(x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],), "x must be [T, H], weight [H]")
+    dt = x.dtype
+    if not (dt in _DTYPES and x.is_cpu and weight.is_cpu and weight.dtype == dt and x.dim() == 2
+            and x.stride(1) == 1 and weight.shape == (x.shape[1],)
+            and (residual is None or residual.is_cpu and residual.dtype == dt and residual.shape == x.shape)):
+        _check_float(x, weight)
+        _check(x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],), "x must be [T, H], weight [H]")
+        if residual is not None:
+            _check_float(x, residual)
+            _check(residual.shape == x.shape, "residual must have x's shape")
     w = weight.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # cheaper than torch.empty(shape)
     if residual is None:
         load_cpu_module().rmsnorm(x, x, w, out, out, False, float(eps), torch.get_num_threads())
         return out
-    _check_float(x, residual)
-    _check(residual.shape == x.shape, "residual must have x's shape")
-    new_residual = torch.empty(x.shape, dtype=x.dtype)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     load_cpu_module().rmsnorm(x, residual.contiguous(), w, out, new_residual, True, float(eps),
                               torch.get_num_threads())
     return out, new_residual
@@ -194,19 +218,24 @@ def rmsnorm(
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool = True) -> torch.Tensor:
     """x [T, heads, head_dim] (heads contiguous), cos/sin [T, 1, rotary_dim // 2] float32 ->
     rotated copy [T, heads, head_dim]. Raises ValueError on bad input."""
-    _check_float(x)
-    _check(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], "x must be [T, heads, head_dim]")
-    _check(cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos/sin must be float32")
-    _check(cos.shape[0] == x.shape[0] and cos.shape[-1] == rotary_dim // 2, "cos/sin must be [T, 1, rotary_dim // 2]")
-    out = torch.empty(x.shape, dtype=x.dtype)
+    if not (x.dtype in _DTYPES and x.is_cpu and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.shape[0] == x.shape[0] and cos.shape[-1] == rotary_dim // 2):
+        _check_float(x)
+        _check(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], "x must be [T, heads, head_dim]")
+        _check(cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos/sin must be float32")
+        _check(cos.shape[0] == x.shape[0] and cos.shape[-1] == rotary_dim // 2,
+               "cos/sin must be [T, 1, rotary_dim // 2]")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     load_cpu_module().rotary(x, cos, sin, out, int(rotary_dim), bool(is_neox), torch.get_num_threads())
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]. Raises ValueError on bad input."""
-    _check_float(x)
-    _check(x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, "x must be [T, 2I]")
+    if not (x.dtype in _DTYPES and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0):
+        _check_float(x)
+        _check(x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, "x must be [T, 2I]")
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     load_cpu_module().silu_and_mul(x, out, torch.get_num_threads())
     return out
@@ -216,8 +245,10 @@ def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
     """Whether a layer should call these kernels for `tensors`: all CPU, one dtype among
     float32/bfloat16, no autograd (the kernels have no backward), and the module loads."""
     dtype = tensors[0].dtype
-    if dtype not in _DTYPES or torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if dtype not in _DTYPES:
         return False
-    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
-        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # a plain loop: called per layer and step, a generator costs more here
+        if not t.is_cpu or t.dtype != dtype or grad and t.requires_grad:
+            return False
     return can_use_cpu_kernels()

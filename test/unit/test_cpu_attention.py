@@ -56,7 +56,10 @@ class Case:
 def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group, dtype):
     c = Case(page_size=page_size, group=group, dtype=dtype)
     c.step(EXTEND, {"a": 1, "b": 37, "c": 130})  # fresh prompts (SDPA on the new k/v)
-    c.step(EXTEND, {"b": 21, "d": 5, "c": 1})  # cached prefixes (paged kernel) mixed with a fresh one
+    # cached prefixes: up to PAGED_EXTEND_MAX_NEW_TOKENS new tokens through the paged kernel
+    # (a: 3, c: 1), more through gather + SDPA (b: 21), mixed with a fresh prompt (d)
+    c.step(EXTEND, {"b": 21, "d": 5, "c": 1, "a": 3})
+    assert sorted(len(m[2]) for m in c.backend._meta.gathered) == [37 + 21]
     for _ in range(3):
         c.step(DECODE, {"a": 1, "b": 1, "c": 1, "d": 1})
     c.step(DECODE, {"e": 1, "a": 1})  # a context of 1 beside a longer one

@@ -7,6 +7,8 @@
   `gguf.quants.dequantize` of the file's blocks (rope rows un-permuted, shards stacked):
   within the bf16 rounding of d, m + 8d and the output in bfloat16 (every layer), and
   bit-exact in float32 (first and last layer: the float32 kernel is slow at K rows).
+- Every layer's dense copy (the GEMM taken for many rows, oneDNN-prepacked in bfloat16)
+  equals gguf's dequantization rounded once to the dtype, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from hiserve.layers.quantization import GGUFInt4Linear, GGUFQuantizedTensor
-from hiserve.layers.quantization.gguf import split_q4_blocks
+from hiserve.layers.quantization.gguf import dequantize_q4, split_q4_blocks
 from hiserve.models import loader
 
 gguf = pytest.importorskip("gguf")
@@ -37,12 +39,15 @@ def test_int4_kernel_matches_gguf_dequantize_on_random_blocks(qtype):
     w = rng.normal(size=(128, 96)).astype(np.float32) + rng.normal(size=(128, 1)).astype(np.float32)
     t = _blocks(qtype, w)
     ref = torch.from_numpy(dequantize(t.data, GGMLQuantizationType[qtype])).reshape(w.shape)
-    layer = GGUFInt4Linear(96, 128 + 64, bias=False, dtype=torch.float32)
+    layer = GGUFInt4Linear(96, 128 + 64, bias=False, dtype=torch.float32, dense_copy=True)
     layer.load_rows(0, t)
     layer.load_rows(128, GGUFQuantizedTensor(qtype, t.data[:64], (64, 96)))  # a second shard
     layer.finalize()
     got = layer.effective_weight()
     torch.testing.assert_close(got, torch.cat([ref, ref[:64]]), rtol=0, atol=1e-6)
+    # The dense copy is gguf's dequantization itself: bit-equal in float32.
+    assert torch.equal(layer.effective_dense_weight(), torch.cat([ref, ref[:64]]))
+    assert torch.equal(dequantize_q4(qtype, t.data), ref)
     # And a real product: the kernel's output is x @ W^T.
     x = torch.randn(5, 96)
     torch.testing.assert_close(layer(x), x @ got.t(), rtol=1e-5, atol=1e-4)
@@ -110,7 +115,8 @@ def group_params(smollm2_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_packed_layer_equals_gguf_dequantize(smollm2_path, group_params, dtype):
+def test_every_packed_layer_equals_gguf_dequantize(smollm2_path, group_params, dtype, monkeypatch):
+    monkeypatch.setenv("HISERVE_GGUF_DENSE_COPY", "1")
     model, config = loader.load_model(smollm2_path, dtype, "cpu", quantization="gguf")
     ref = _file_weights(smollm2_path)
     checked = 0
@@ -135,6 +141,8 @@ def test_every_packed_layer_equals_gguf_dequantize(smollm2_path, group_params, d
                 bound = BF16_EPS * (8 * d.abs() + zero.abs() + want.abs())
                 excess = (got - want).abs() - bound
                 assert excess.max() <= 0, (i, fused, excess.max())
+            # The dense copy (large-M GEMM): gguf's values rounded once to the dtype, exactly.
+            assert torch.equal(module.effective_dense_weight(), want.to(dtype)), (i, fused)
             checked += 1
     assert checked == 4 * len(layer_ids)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())

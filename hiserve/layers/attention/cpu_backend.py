@@ -1,15 +1,16 @@
 """`cpu_paged`: attention on the CPU that reads K/V in place from the device pool.
 
 DECODE, and EXTEND requests with a cached prefix and at most `PAGED_EXTEND_MAX_NEW_TOKENS`
-new tokens, run one C++ kernel (`hiserve/jit_kernel/csrc/cpu/paged_attention.h`) over the
+(4) new tokens, run one C++ kernel (`hiserve/jit_kernel/csrc/cpu/paged_attention.h`) over the
 pool through `req_to_token`: no per-request gathered copy, one pass over K/V per KV head for
 all its query heads (GQA), and a flash-decoding split of long contexts across threads. An
 EXTEND request without a cached prefix attends only over its own new tokens, which are the
 k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on them directly:
-GEMM-speed prefill, again without reading the pool back. A long chunk over a cached prefix
-(chunked prefill) is compute-bound, where SDPA's GEMMs beat the kernel's vector loops (2x
-at 2048 new tokens over 2048 cached on AVX-512) and the gathered copy is small beside the
-attention work, so it gathers its context and runs SDPA as torch_native does.
+GEMM-speed prefill, again without reading the pool back. More new tokens over a cached prefix
+(a question after a cached system prompt, a chunk of chunked prefill) are compute-bound, where
+SDPA's GEMMs beat the kernel's vector loops (1.7x at 8 new tokens, 2-3x from 16) and the gathered copy is
+small beside the attention work, so such a request gathers its context and runs SDPA as
+torch_native does.
 
 When the kernels cannot be built here (no compiler, no apache-tvm-ffi; one warning is
 logged) or the pool's dtype is not float32/bfloat16, every pass runs `torch_native` (the
@@ -29,10 +30,16 @@ from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Crossover measured with an A/B of the kernel against gather + SDPA (2048 cached tokens,
-# SmolLM2 head shapes, bf16, AVX512-BF16): the kernel wins at 32 and 128 new tokens, loses
-# at 512 and 2048.
-PAGED_EXTEND_MAX_NEW_TOKENS = 128
+# Above this many new tokens a request over a cached prefix gathers its context and runs SDPA.
+# The kernel's EXTEND path is vector loops per (query block, KV head); SDPA's flash attention
+# runs GEMM micro-kernels, which only gain on wider bf16 units (AMX), so the crossover sits at
+# a few rows on any x86 CPU. Re-measured in process CPU time on one thread (robust on a shared
+# machine; benchmark/cpu/bench_extend_attention_ab.py, benchmark/results/
+# cpu_extend_attention_ab.json; SmolLM2 heads, bf16, AVX512-BF16): SDPA 1.1x faster at 2 new
+# tokens over 1000 cached, 1.3x at 4, 1.7x at 8, 2-3x from 16 to 128 (and over 2048 cached);
+# the kernel stays ~4x faster for DECODE (one token). (An earlier wall-clock A/B on a loaded
+# machine had put the crossover at ~128.)
+PAGED_EXTEND_MAX_NEW_TOKENS = 4
 
 
 @dataclass

@@ -4,6 +4,9 @@
   tensors are all Q4_0/Q4_1 runs as int4 weight-only GEMM (`gguf.GGUFInt4Linear`); tensors
   of other GGUF types (Q8_0/Q6_K/F16 embeddings, heads, or a mixed fused layer) are
   dequantized to the model dtype and take the dense path.
+  Each such layer also keeps a dense copy of the same dequantized weights for calls with many
+  rows (prefill, batched decode), where that GEMM is faster; the row count where it takes
+  over is calibrated at start (`int4_dispatch`).
 - `none`: every tensor dequantized to `--dtype` (the reference path).
 """
 
@@ -16,11 +19,12 @@ import torch
 from torch import nn
 
 from hiserve.layers.quantization.gguf import GROUP_SIZE, INT4_TYPES, GGUFInt4Linear, GGUFQuantizedTensor
+from hiserve.layers.quantization.int4_dispatch import dense_copy_enabled, setup_int4_dispatch
 
 QUANTIZATION_METHODS = ("gguf", "none")
 
 __all__ = ["QUANTIZATION_METHODS", "GGUFInt4Config", "GGUFInt4Linear", "GGUFQuantizedTensor",
-           "make_linear"]
+           "make_linear", "setup_int4_dispatch"]
 
 
 @dataclass
@@ -57,5 +61,5 @@ def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dt
     fits = in_features % GROUP_SIZE == 0 and out_features % 16 == 0
     if quant_config is not None and fits and quant_config.takes(names):
         quant_config.int4_names.update(names)
-        return GGUFInt4Linear(in_features, out_features, bias, dtype)
+        return GGUFInt4Linear(in_features, out_features, bias, dtype, dense_copy=dense_copy_enabled())
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)

@@ -14,18 +14,29 @@ w = (q - 8) * scale + zero (checked by experiment against an identity matrix, se
 test/unit/test_gguf_quant.py). So the GGUF block maps exactly: scale = d and
 zero = m + 8*d (Q4_1), zero = 0 (Q4_0). In bfloat16 the kernel's effective weight is the
 GGUF's up to the bf16 rounding of d and m + 8d; in float32 it is exact up to fp32 rounding.
+
+The layer's optional dense copy (for calls with many rows, see `int4_dispatch.py`) is gguf's
+own dequantization (`dequantize_q4`, bit-equal to gguf-py's) rounded once to the activation
+dtype: the same values the dequantized path (`--quantization none`) serves.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from hiserve.layers.linear import PackedLinear, can_pack_for_cpu
+from hiserve.layers.linear import linear as dense_linear
+
 GROUP_SIZE = 32  # values per llama.cpp block, and the kernel's group size
 INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type name -> bytes per 32-value block
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
 @dataclass
@@ -49,6 +60,20 @@ def int4_kernel_available() -> bool:
         torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
+def _q4_fields(qtype: str, data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """codes uint8 [rows, K] (0..15), d float32 [rows, K/32], m float32 [rows, K/32] (Q4_1; None for Q4_0)."""
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"not a 4-bit GGUF block type: {qtype}")
+    block_bytes = INT4_TYPES[qtype]
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(-1, block_bytes)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float().reshape(rows, -1)
+    packed = blocks[:, block_bytes - 16:]
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=1).reshape(rows, -1)  # low nibbles first
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float().reshape(rows, -1) if qtype == "Q4_1" else None
+    return codes, d, m
+
+
 def split_q4_blocks(qtype: str, data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode Q4_0/Q4_1 rows into codes and the kernel's per-group scale and zero.
 
@@ -61,24 +86,38 @@ def split_q4_blocks(qtype: str, data: np.ndarray) -> tuple[torch.Tensor, torch.T
     Raises:
         ValueError: another type.
     """
-    if qtype not in INT4_TYPES:
-        raise ValueError(f"not a 4-bit GGUF block type: {qtype}")
-    block_bytes = INT4_TYPES[qtype]
-    rows = data.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(-1, block_bytes)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float().reshape(rows, -1)
-    packed = blocks[:, block_bytes - 16:]
-    codes = torch.cat([packed & 0x0F, packed >> 4], dim=1).reshape(rows, -1)  # low nibbles first
-    if qtype == "Q4_1":
-        m = blocks[:, 2:4].contiguous().view(torch.float16).float().reshape(rows, -1)
-        zero = m + 8.0 * d
-    else:
-        zero = torch.zeros_like(d)
+    codes, d, m = _q4_fields(qtype, data)
+    zero = torch.zeros_like(d) if m is None else m + 8.0 * d
     return codes, d, zero
 
 
+def dequantize_q4(qtype: str, data: np.ndarray) -> torch.Tensor:
+    """gguf's own dequantization of Q4_0/Q4_1 rows, same float32 operations (gguf-py
+    `quants.py`: Q4_1 w = d*q + m, Q4_0 w = d*(q - 8)), so bit-equal to it.
+
+    Args: as `split_q4_blocks`. Returns: float32 [rows, K]. Raises: ValueError: another type.
+    """
+    return _dequantize_fields(*_q4_fields(qtype, data))
+
+
+def _dequantize_fields(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    rows = codes.shape[0]
+    q = codes.float().reshape(rows, -1, GROUP_SIZE)
+    w = d[..., None] * (q - 8.0) if m is None else d[..., None] * q + m[..., None]
+    return w.reshape(rows, -1)
+
+
 class GGUFInt4Linear(nn.Module):
-    """y = x @ W^T + b with W held as int4 codes and per-32 scale/zero (PyTorch's CPU int4 GEMM).
+    """y = x @ W^T + b with W held as int4 codes and per-32 scale/zero (PyTorch's CPU int4 GEMM),
+    and optionally a dense copy of the same dequantized W for calls with many rows.
+
+    PyTorch's int4 kernel beats a dense GEMM when it is bound by reading the weight (a few
+    rows: decode) and loses when it is compute-bound (prefill, batched decode: it dequantizes
+    every group again for each row block). So with `dense_copy` the layer also keeps W as
+    gguf's dequantizer gives it, rounded once to `dtype` (oneDNN-prepacked in bfloat16, the
+    dequantized path's GEMM), and `forward` takes it when x has at least `dense_from_rows`
+    rows. That threshold is set per machine after loading (`int4_dispatch.setup_int4_dispatch`);
+    until then every call takes the int4 kernel.
 
     Filled shard by shard (`load_rows`, e.g. q, k and v into one fused qkv_proj), then
     `finalize()` packs once; nothing is re-created per call.
@@ -88,10 +127,12 @@ class GGUFInt4Linear(nn.Module):
         out_features: N, a multiple of 16 (the CPU packing's rule).
         bias: whether a dense bias [N] (float, from the checkpoint) is added.
         dtype: activation dtype (bfloat16 or float32); the scales and zeros are stored in it.
+        dense_copy: also keep the dense copy (N*K values in `dtype`).
     Forward: x [T, K] in `dtype` -> [T, N] in `dtype`.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 dense_copy: bool = False):
         super().__init__()
         if in_features % GROUP_SIZE:
             raise ValueError(f"in_features {in_features} is not a multiple of {GROUP_SIZE}")
@@ -99,11 +140,21 @@ class GGUFInt4Linear(nn.Module):
         self.register_buffer("packed_weight", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.dense_weight: torch.Tensor | PackedLinear | None = None
+        self.dense_from_rows = sys.maxsize  # rows from which `forward` takes the dense copy
+        # Plain-attribute aliases for `forward` (runs ~120 times a decode step): nn.Module's
+        # __getattr__ for buffers, parameters and submodules costs more than the int4 call.
+        object.__setattr__(self, "_bias", self.bias)
+        self._w4: torch.Tensor | None = None
+        self._sz: torch.Tensor | None = None
+        self._dense_call: Callable[[torch.Tensor], torch.Tensor] | None = None
         groups = in_features // GROUP_SIZE
         # Load-time staging, freed by finalize(): codes 1 byte a value, scale/zero fp32 per group.
         self._codes: torch.Tensor | None = torch.empty(out_features, in_features, dtype=torch.uint8)
         self._scale: torch.Tensor | None = torch.empty(out_features, groups)
         self._zero: torch.Tensor | None = torch.empty(out_features, groups)
+        self._dense: torch.Tensor | None = (torch.empty(out_features, in_features, dtype=dtype)
+                                            if dense_copy else None)
         self._rows_loaded = 0
 
     def load_rows(self, start: int, tensor: GGUFQuantizedTensor) -> None:
@@ -118,10 +169,12 @@ class GGUFInt4Linear(nn.Module):
         if cols != self.in_features or start < 0 or start + rows > self.out_features:
             raise ValueError(f"shard {tensor.shape} at row {start} does not fit [{self.out_features}, "
                              f"{self.in_features}]")
-        codes, scale, zero = split_q4_blocks(tensor.qtype, tensor.data)
+        codes, d, m = _q4_fields(tensor.qtype, tensor.data)
         self._codes[start:start + rows] = codes
-        self._scale[start:start + rows] = scale
-        self._zero[start:start + rows] = zero
+        self._scale[start:start + rows] = d
+        self._zero[start:start + rows] = 0.0 if m is None else m + 8.0 * d  # as split_q4_blocks
+        if self._dense is not None:
+            self._dense[start:start + rows] = _dequantize_fields(codes, d, m)
         self._rows_loaded += rows
 
     @property
@@ -129,28 +182,58 @@ class GGUFInt4Linear(nn.Module):
         return self.out_features if self._codes is None else self._rows_loaded
 
     def finalize(self) -> None:
-        """Pack the loaded codes for the kernel and drop the staging copies."""
+        """Pack the loaded codes for the kernel (and the dense copy for oneDNN in bfloat16),
+        then drop the staging copies."""
         if self._codes is None:
             return
         # innerKTiles is a CUDA tinygemm layout knob; the CPU packing ignores it.
         self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self._codes.to(torch.int32), 1)
         self.scales_and_zeros = torch.stack([self._scale, self._zero], dim=-1).transpose(0, 1).contiguous().to(
             self.dtype)  # [K/32, N, 2]
-        self._codes = self._scale = self._zero = None
+        self._w4, self._sz = self.packed_weight, self.scales_and_zeros
+        if self._dense is not None:
+            dense = self._dense
+            if can_pack_for_cpu(dense.device, dense.dtype):
+                self.dense_weight = PackedLinear(dense, None)
+                self._dense_call = self.dense_weight.forward
+            else:
+                self.dense_weight = dense
+                self._dense_call = functools.partial(dense_linear, weight=dense)
+        self._codes = self._scale = self._zero = self._dense = None
+
+    def drop_dense_copy(self) -> None:
+        """Free the dense copy; every call then takes the int4 kernel."""
+        self.dense_weight, self._dense_call, self.dense_from_rows = None, None, sys.maxsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        return y if self.bias is None else y + self.bias
+        # dense_from_rows is sys.maxsize while there is no dense copy
+        y = self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
+        return y if self._bias is None else y + self._bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed_weight, GROUP_SIZE,
-                                                          self.scales_and_zeros)
+        return _INT4_MM(x.contiguous(), self._w4, GROUP_SIZE, self._sz)
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._dense_call(x)
 
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
-        """The weight [N, K] the kernel multiplies by (the kernel applied to an identity), in `dtype`."""
+        """The weight [N, K] the int4 kernel multiplies by (the kernel applied to an identity), in `dtype`."""
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed_weight.device)
         return self._matmul(eye).t().contiguous()
 
+    @torch.no_grad()
+    def effective_dense_weight(self) -> torch.Tensor:
+        """The weight [N, K] the dense copy's GEMM multiplies by (identity in, exact), in `dtype`.
+
+        Raises:
+            ValueError: the layer keeps no dense copy.
+        """
+        if self.dense_weight is None:
+            raise ValueError("GGUFInt4Linear has no dense copy")
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return self._dense_matmul(eye).t().contiguous()
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}"
+        dense = "" if self.dense_weight is None else f", dense_from_rows={self.dense_from_rows}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{dense}"

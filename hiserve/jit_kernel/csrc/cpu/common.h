@@ -35,9 +35,10 @@ inline bf16 from_float<bf16>(float x) {
   // Round to nearest even, as torch's float -> bfloat16 conversion does (NaN kept quiet).
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bf16{static_cast<uint16_t>(u >> 16)};
+  // A select, not an early return: a branch keeps loops scalar on AVX2 ("control flow in loop").
+  const uint32_t nan = (u >> 16) | 0x40u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return bf16{static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded)};
 }
 
 // Round a float through T and back (the rounding a torch op in dtype T applies).
@@ -57,7 +58,9 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) 
 // in the exponent bits. x is clamped to [-87, 88], so exp(-inf) gives ~1.6e-38, not 0:
 // callers keep masked entries out of the sums themselves.
 inline float fast_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  // A compare-select clamp, not std::fmin/fmax: gcc does not vectorise those (their NaN rules)
+  // and a loop calling this then stays scalar. A NaN stays NaN.
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
   float p = 1.f / 720.f;

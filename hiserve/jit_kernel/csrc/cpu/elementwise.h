@@ -79,9 +79,12 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t tokens, int64_t 
     const T* g = x + t * x_stride;
     const T* u = g + inter;
     T* o = out + t * inter;
+    // fast_exp (common.h) vectorises; std::exp is a scalar libm call per element, which made
+    // this loop ~17% of a bf16 prefill. Its error (~1e-7 relative) is far below T's rounding.
+#pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       const float gi = to_float(g[i]);
-      const float si = round_to<T>(gi / (1.f + std::exp(-gi)));
+      const float si = round_to<T>(gi / (1.f + fast_exp(-gi)));
       o[i] = from_float<T>(si * to_float(u[i]));
     }
   }
