@@ -39,6 +39,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from hiserve.distributed import get_tp_group, tp_gather_objects
 from hiserve.mem_cache.hierarchy import KVHierarchy
 from hiserve.mem_cache.prefix_cache import MatchResult, PrefixHandle, empty_slots
 
@@ -400,6 +401,23 @@ class KVManager:
         self.allocator.free(self.prefix_cache.poll())
         if self.debug_checks:
             self.check_integrity()
+            self.check_ranks_agree()
+
+    def check_ranks_agree(self) -> None:
+        """Under TP every rank's hierarchy must be in the same state (each rank runs the same
+        schedule on its own pools); compare the counts across ranks (CPU group).
+
+        Raises:
+            AssertionError: the ranks differ (each rank's state in the message).
+        """
+        if get_tp_group().size == 1:
+            return
+        s = self.stats()
+        mine = (s.available, s.evictable, s.protected, s.pending, s.host_used, len(self._live),
+                self.rtt.available_size())
+        states = tp_gather_objects(mine)
+        assert all(st == states[0] for st in states), \
+            f"TP ranks' KV hierarchies diverged (available, evictable, protected, pending, host used, rows): {states}"
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (both tiers); False (nothing done) while requests hold KV."""
