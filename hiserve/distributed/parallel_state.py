@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -92,8 +93,8 @@ def init_tp_group(size: int, rank: int, init_addr: str, device: torch.device,
                             timeout=timeout)
     cpu_group = dist.new_group(list(range(size)), backend="gloo", timeout=timeout)
     _GROUP = TPGroup(rank=rank, size=size, device_group=dist.group.WORLD, cpu_group=cpu_group)
-    logger.info("TP rank %d/%d joined at %s (device group %s, CPU group gloo, timeout %.0f s)",
-                rank, size, init_addr, backend, timeout_s)
+    logger.info("TP rank %d/%d (pid %d) joined at %s (device group %s, CPU group gloo, timeout %.0f s)",
+                rank, size, os.getpid(), init_addr, backend, timeout_s)
     return _GROUP
 
 
