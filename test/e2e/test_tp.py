@@ -1,0 +1,136 @@
+"""Tensor parallelism end to end on the CPU: 2 ranks joined by gloo on tiny dummy models.
+
+Greedy float32 outputs of `--tp-size 2` must equal `--tp-size 1` (the dummy weights of each
+rank are slices of TP=1's), for a tiny Llama (2 query heads, 1 KV head: the KV head is
+replicated) and a tiny MLA + MoE model, with and without the host tier. The workload is a set of
+multi-turn conversations run one request at a time over a small device pool, so later turns
+hit their prefix on the device (TP=1/TP=2 alike) or, with `--enable-hierarchical-cache`, on the
+host (load-back, checked in `meta_info.cached_tokens_details`). Every server runs with
+`--enable-cache-integrity-check`: each rank checks its hierarchy every iteration and the
+ranks compare their states (a failure kills the rank, which stops the server); each scenario
+ends with the server alive, a concurrent burst served, and /flush_cache leaving every slot
+free. The last test SIGKILLs rank 1 and checks the server exits with a clear error in bounded time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from hiserve.testing.dummy_model import write_dummy_model
+from server import kill, popen_launch_server
+
+PAGE_SIZE = 16
+COMMON = ["--load-format", "dummy", "--page-size", PAGE_SIZE, "--max-total-tokens", 384,
+          "--enable-cache-integrity-check", "--attention-backend", "torch_native"]
+HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", 4]
+NUM_CONVERSATIONS, NUM_ROUNDS, QUESTION_TOKENS, OUTPUT_TOKENS = 4, 3, 48, 8
+# Conversations end near 3 * (48 + 8) = 168 tokens, ~670 together: about twice the device pool.
+EXIT_BOUND_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_models")
+    return {s: write_dummy_model(str(root / s), s) for s in ("tiny-llama", "tiny-mla")}
+
+
+def _question(conv: int, rnd: int) -> list[int]:
+    return np.random.default_rng([77, conv, rnd]).integers(6, 512, size=QUESTION_TOKENS).tolist()
+
+
+def _generate(client: httpx.Client, ids: list[int]) -> dict:
+    r = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def run_scenario(base_url: str) -> tuple[list[list[int]], dict[str, int]]:
+    """The conversations one request at a time (outputs in order, and the cached-token sums
+    per source), then a concurrent burst (outputs not compared: batch shapes differ), then
+    /flush_cache, which must leave every device and host slot free."""
+    outputs, cached = [], {"device": 0, "host": 0}
+    history: list[list[int]] = [[] for _ in range(NUM_CONVERSATIONS)]
+    with httpx.Client(base_url=base_url, timeout=300) as client:
+        for rnd in range(NUM_ROUNDS):
+            for conv in range(NUM_CONVERSATIONS):
+                ids = history[conv] + _question(conv, rnd)
+                out = _generate(client, ids)
+                history[conv] = ids + out["output_ids"]
+                outputs.append(out["output_ids"])
+                details = out["meta_info"].get("cached_tokens_details") or {}
+                for k in cached:
+                    cached[k] += details.get(k, 0)
+        with ThreadPoolExecutor(8) as pool:
+            burst = list(pool.map(lambda h: _generate(client, h[-100:] + [7, 8, 9]), history * 2))
+        assert all(len(b["output_ids"]) == OUTPUT_TOKENS for b in burst)
+        assert client.post("/flush_cache").status_code == 200
+        state = client.get("/get_server_info").json()["internal_states"][0]
+        assert state["available_size"] == state["max_total_num_tokens"]
+        assert state.get("host_used_size", 0) == 0
+    return outputs, cached
+
+
+def _serve_and_run(model: str, extra: list) -> tuple[list[list[int]], dict[str, int], str]:
+    proc, url = popen_launch_server([*COMMON, "--model-path", model, *extra])
+    try:
+        outputs, cached = run_scenario(url)
+        assert proc.poll() is None, "the server exited during the scenario"
+    finally:
+        kill(proc)
+    log = open(proc.log_path).read()
+    assert "Traceback" not in log, log[-4000:]
+    return outputs, cached, log
+
+
+@pytest.fixture(scope="module")
+def llama_tp1(models):
+    return _serve_and_run(models["tiny-llama"], ["--tp-size", 1])
+
+
+def test_llama_tp2_equals_tp1(models, llama_tp1):
+    outputs, cached, log = _serve_and_run(models["tiny-llama"], ["--tp-size", 2])
+    assert "TP rank 1/2" in log
+    assert cached["device"] > 0  # later turns hit their prefix
+    assert outputs == llama_tp1[0]
+
+
+def test_llama_tp2_with_host_tier_equals_tp1(models, llama_tp1):
+    outputs, cached, _ = _serve_and_run(models["tiny-llama"], ["--tp-size", 2, *HICACHE])
+    assert cached["host"] > 0, cached  # pages evicted from the device came back from the host
+    assert outputs == llama_tp1[0]
+
+
+def test_mla_tp2_with_host_tier_and_overlap_equals_tp1(models):
+    ref, _, _ = _serve_and_run(models["tiny-mla"], ["--tp-size", 1])
+    outputs, cached, _ = _serve_and_run(models["tiny-mla"], ["--tp-size", 2, *HICACHE, "--enable-overlap-schedule"])
+    assert cached["host"] > 0, cached
+    assert outputs == ref
+
+
+def test_killed_rank_stops_the_server(models):
+    proc, url = popen_launch_server([*COMMON, "--model-path", models["tiny-llama"], "--tp-size", 2, *HICACHE])
+    try:
+        log = open(proc.log_path).read()
+        pid = int(re.search(r"TP rank 1/2 \(pid (\d+)\)", log).group(1))
+        with httpx.Client(base_url=url, timeout=60) as client:
+            _generate(client, _question(0, 0))
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        code = proc.wait(EXIT_BOUND_S)
+        waited = time.monotonic() - start
+    finally:
+        kill(proc)
+    log = open(proc.log_path).read()
+    assert code == 1, log[-3000:]
+    assert waited < EXIT_BOUND_S
+    assert "scheduler TP rank 1 (exit code -9)" in log, log[-3000:]
+    assert "cannot serve without every rank: stopping the server" in log
