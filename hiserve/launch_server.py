@@ -119,31 +119,47 @@ def _dead_ranks(procs: list[mp.Process]) -> str:
     return ", ".join(f"scheduler TP rank {r} (exit code {c})" for r, c in dead)
 
 
-def _receive(procs: list[mp.Process], reader: Any, rank: int = 0) -> Any:
-    """The next pipe message of scheduler rank `rank`; raises RuntimeError if any scheduler
-    process dies first, or the rank sends an error string."""
-    who = "the scheduler process" if len(procs) == 1 else f"scheduler TP rank {rank}"
+def _peer_errors(readers: list[Any], skip: int) -> str:
+    """Error strings other ranks have already sent (a rank that failed alone, e.g. out of
+    memory on its GPU, says why there; the others only see a failed collective)."""
+    errors = []
+    for r, reader in enumerate(readers):
+        try:
+            if r != skip and reader.poll(0):
+                msg = reader.recv()
+                if isinstance(msg, str):
+                    errors.append(f"TP rank {r}: {msg}")
+        except (EOFError, OSError):
+            pass
+    return "".join("\n" + e for e in errors)
+
+
+def _receive(procs: list[mp.Process], readers: list[Any], rank: int = 0) -> Any:
+    """The next pipe message of scheduler rank `rank`; raises RuntimeError (with any error
+    another rank sent) if any scheduler process dies first, or the rank sends an error string."""
+    reader, tp = readers[rank], len(procs)
+    who = "the scheduler process" if tp == 1 else f"scheduler TP rank {rank}"
     while not reader.poll(0.5):
         dead = _dead_ranks(procs)
         if dead and not reader.poll(0):
-            raise RuntimeError(f"{dead} exited before the server was ready")
+            raise RuntimeError(f"{dead} exited before the server was ready{_peer_errors(readers, rank)}")
     try:
         msg = reader.recv()
     except EOFError:
-        raise RuntimeError(f"{who} closed its pipe before it was ready") from None
+        raise RuntimeError(f"{who} closed its pipe before it was ready{_peer_errors(readers, rank)}") from None
     if isinstance(msg, str):
-        raise RuntimeError(msg if len(procs) == 1 else f"TP rank {rank}: {msg}")
+        raise RuntimeError(msg if tp == 1 else f"TP rank {rank}: {msg}{_peer_errors(readers, rank)}")
     return msg
 
 
-def _wait_for_resolved_args(procs: list[mp.Process], reader: Any) -> ServerArgs:
+def _wait_for_resolved_args(procs: list[mp.Process], readers: list[Any]) -> ServerArgs:
     """The frozen ServerArgs the scheduler process (TP rank 0) resolved.
 
     Raises:
         InvalidServerArgs: resolve() refused the flags.
         RuntimeError: the scheduler process died or failed first.
     """
-    msg = _receive(procs, reader)
+    msg = _receive(procs, readers)
     if isinstance(msg, InvalidServerArgs):
         raise msg
     if not isinstance(msg, ServerArgs):
@@ -286,13 +302,13 @@ def launch_server(server_args: ServerArgs) -> int:
     start = time.monotonic()
     start_rank(0, server_args)
     try:
-        server_args = _wait_for_resolved_args(procs, readers[0])
+        server_args = _wait_for_resolved_args(procs, readers)
         _log_server_args(server_args)
         for rank in range(1, tp):  # with rank 0's resolved flags: every rank runs the same
             start_rank(rank, server_args)
-        ready = _receive(procs, readers[0])
+        ready = _receive(procs, readers)
         for rank in range(1, tp):
-            _receive(procs, readers[rank], rank)
+            _receive(procs, readers, rank)
         logger.info("Scheduler ready in %.1f s: max_total_num_tokens=%d, max_req_input_len=%d, "
                     "context_len=%d, max_running_requests=%d, tp_size=%d", time.monotonic() - start,
                     ready.max_total_num_tokens, ready.max_req_input_len, ready.context_len,
