@@ -50,14 +50,15 @@ class TPGroup:
     def is_first(self) -> bool:
         return self.rank == 0
 
-    def shard(self, full: int) -> tuple[int, int]:
-        """(start, size) of this rank's equal share of `full` items.
+    def shard(self, full: int, what: str = "") -> tuple[int, int]:
+        """(start, size) of this rank's equal share of `full` items (`what` names them in
+        the error).
 
         Raises:
             ValueError: `full` is not divisible by the TP size.
         """
         if full % self.size:
-            raise ValueError(f"{full} is not divisible by --tp-size {self.size}")
+            raise ValueError(f"{full} {what or 'items'} cannot be split evenly over --tp-size {self.size}")
         part = full // self.size
         return self.rank * part, part
 

@@ -86,7 +86,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
         super().__init__()
         self.num_experts = num_experts
-        self.inter_start, inter = get_tp_group().shard(intermediate_size)
+        self.inter_start, inter = get_tp_group().shard(intermediate_size, "expert intermediate columns")
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = inter
         self.gate_up_proj = nn.Parameter(

@@ -120,7 +120,7 @@ class RowParallelLinear(nn.Module):
                  reduce: bool = True):
         super().__init__()
         g = get_tp_group()
-        self.col_start, cols = g.shard(in_features)
+        self.col_start, cols = g.shard(in_features, "input columns of a row-parallel linear")
         self.reduce = reduce
         self.in_features, self.out_features = cols, out_features
         self.weight = nn.Parameter(torch.empty(out_features, cols, dtype=dtype), requires_grad=False)

@@ -218,7 +218,7 @@ class DeepseekV2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         hidden, h = config.hidden_size, config.num_attention_heads
-        self.num_heads = get_tp_group().shard(h)[1]  # this rank's heads
+        self.num_heads = get_tp_group().shard(h, "attention heads")[1]  # this rank's heads
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim

@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         tp = _tp_size(quant_config)
         self.head_dim = d = config.head_dim
-        self.num_heads = get_tp_group().shard(config.num_attention_heads)[1]  # this rank's
+        self.num_heads = get_tp_group().shard(config.num_attention_heads, "attention heads")[1]  # this rank's
         kv_part = head_parts(config.num_key_value_heads, d, tp)
         self.num_kv_heads = kv_part.full // kv_part.shards // d
         self.q_size = self.num_heads * d

@@ -9,7 +9,9 @@ host (load-back, checked in `meta_info.cached_tokens_details`). Every server run
 `--enable-cache-integrity-check`: each rank checks its hierarchy every iteration and the
 ranks compare their states (a failure kills the rank, which stops the server); each scenario
 ends with the server alive, a concurrent burst served, and /flush_cache leaving every slot
-free. The last test SIGKILLs rank 1 and checks the server exits with a clear error in bounded time.
+free. One test SIGKILLs rank 1 and checks the server exits with a clear error in bounded time;
+one serves the real default GGUF model at TP 3 (its 9 heads do not split in 2) against an
+in-process TP=1 scheduler.
 """
 
 from __future__ import annotations
@@ -134,3 +136,43 @@ def test_killed_rank_stops_the_server(models):
     assert waited < EXIT_BOUND_S
     assert "scheduler TP rank 1 (exit code -9)" in log, log[-3000:]
     assert "cannot serve without every rank: stopping the server" in log
+
+
+def _in_process_greedy(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """TP=1 greedy outputs of the default model from a Scheduler in this process (float32)."""
+    from hiserve.engine.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+    from hiserve.engine.sampling_params import SamplingParams
+    from hiserve.engine.scheduler import Scheduler
+    from hiserve.server_args import ServerArgs
+
+    sched = Scheduler(ServerArgs(dtype="float32", device="cpu").resolve(), None)
+    for i, ids in enumerate(prompts):
+        sp = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+        sched.add_request(TokenizedGenerateReqInput(rid=str(i), input_ids=ids, sampling_params=sp))
+        while sched.waiting_queue or sched.running or sched.chunked_req:
+            batch = sched.get_next_batch_to_run()
+            if batch is not None:
+                sched.run_batch(batch)
+            sched.check_cache_events()
+    outs: dict[str, list[int]] = {}
+    for msg in sched.outbox:
+        if isinstance(msg, BatchTokenIDOut):
+            for rid, new in zip(msg.rids, msg.new_output_ids):
+                outs[rid] = outs.get(rid, []) + list(new)
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def test_default_gguf_model_tp3_equals_tp1():
+    """The real default checkpoint (GGUF, 9 heads / 3 KV heads: TP 3, not 2), dequantized and
+    sliced at load time (`--quantization` unset becomes none at TP > 1), greedy float32."""
+    prompts = [[1, 504, 3458, 314, 4649, 314, 253, 2671, 30], [1, 8866, 1296, 5954, 2302, 42]]
+    ref = _in_process_greedy(prompts, OUTPUT_TOKENS)
+    proc, url = popen_launch_server(["--tp-size", 3, "--enable-cache-integrity-check"])
+    try:
+        with httpx.Client(base_url=url, timeout=300) as client:
+            got = [_generate(client, ids)["output_ids"] for ids in prompts]
+    finally:
+        kill(proc)
+    log = open(proc.log_path).read()
+    assert "--quantization not given -> none (--tp-size 3" in log
+    assert got == ref

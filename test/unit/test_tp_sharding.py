@@ -127,5 +127,5 @@ def test_checkpoint_loads_as_the_same_slices(tiny_llama, tiny_mla, shape):
 
 def test_heads_that_cannot_be_split_are_refused(tiny_mla):
     _as_rank(0, size=3)  # 4 heads over 3 ranks
-    with pytest.raises(ValueError, match="not divisible by --tp-size 3"):
+    with pytest.raises(ValueError, match="4 attention heads cannot be split evenly over --tp-size 3"):
         load_model(tiny_mla, torch.float32, "cpu", load_format="dummy", seed=1)
