@@ -18,8 +18,6 @@ def resolve_tp(args: "ServerArgs") -> None:
     - `--quantization gguf` keeps projections as CPU int4 blocks that have no tensor-parallel
       split here, so TP > 1 refuses it; with `--quantization` unset, TP > 1 picks `none`
       (the weights are dequantized to `--dtype`, then sliced), logged.
-    - The storage tier (L3) is refused with TP > 1: its prefetch completes asynchronously and
-      by time-outs, so ranks would disagree on what was prefetched (not implemented yet).
 
     Raises:
         ValueError: a value out of range, or a combination TP cannot run.
@@ -41,9 +39,6 @@ def resolve_tp(args: "ServerArgs") -> None:
         args.quantization = "none"
         logger.info("--quantization not given -> none (--tp-size %d: the int4 GGUF path is TP=1 only)",
                     args.tp_size)
-    if args.hicache_storage_backend is not None:
-        raise ValueError(f"--hicache-storage-backend with --tp-size {args.tp_size} is not implemented "
-                         f"(ranks would disagree on asynchronous prefetches); use --tp-size 1 or no storage tier")
     if args.device == "cuda":
         import torch
 

@@ -16,6 +16,7 @@ in-process TP=1 scheduler.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -59,7 +60,7 @@ def run_scenario(base_url: str) -> tuple[list[list[int]], dict[str, int]]:
     """The conversations one request at a time (outputs in order, and the cached-token sums
     per source), then a concurrent burst (outputs not compared: batch shapes differ), then
     /flush_cache, which must leave every device and host slot free."""
-    outputs, cached = [], {"device": 0, "host": 0}
+    outputs, cached = [], {"device": 0, "host": 0, "storage": 0}
     history: list[list[int]] = [[] for _ in range(NUM_CONVERSATIONS)]
     with httpx.Client(base_url=base_url, timeout=300) as client:
         for rnd in range(NUM_ROUNDS):
@@ -81,10 +82,16 @@ def run_scenario(base_url: str) -> tuple[list[list[int]], dict[str, int]]:
     return outputs, cached
 
 
-def _serve_and_run(model: str, extra: list) -> tuple[list[list[int]], dict[str, int], str]:
+def _serve_and_run(model: str, extra: list, passes: int = 1) -> tuple[list[list[int]], dict[str, int], str]:
+    """Serve, run the scenario `passes` times (each ends with /flush_cache: the later passes
+    start from an empty device and host, with whatever a storage tier kept); the outputs of
+    every pass must be the same; returns them, the cached-token sums of the last pass, the log."""
     proc, url = popen_launch_server([*COMMON, "--model-path", model, *extra])
     try:
         outputs, cached = run_scenario(url)
+        for _ in range(passes - 1):
+            again, cached = run_scenario(url)
+            assert again == outputs
         assert proc.poll() is None, "the server exited during the scenario"
     finally:
         kill(proc)
@@ -111,11 +118,41 @@ def test_llama_tp2_with_host_tier_equals_tp1(models, llama_tp1):
     assert outputs == llama_tp1[0]
 
 
-def test_mla_tp2_with_host_tier_and_overlap_equals_tp1(models):
-    ref, _, _ = _serve_and_run(models["tiny-mla"], ["--tp-size", 1])
+@pytest.fixture(scope="module")
+def mla_tp1(models):
+    return _serve_and_run(models["tiny-mla"], ["--tp-size", 1])
+
+
+def test_mla_tp2_with_host_tier_and_overlap_equals_tp1(models, mla_tp1):
     outputs, cached, _ = _serve_and_run(models["tiny-mla"], ["--tp-size", 2, *HICACHE, "--enable-overlap-schedule"])
     assert cached["host"] > 0, cached
-    assert outputs == ref
+    assert outputs == mla_tp1[0]
+
+
+def _storage_args(folder, policy: str) -> list:
+    return [*HICACHE, "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", policy,
+            "--hicache-storage-backend-extra-config",
+            json.dumps({"file_storage_path": str(folder), "prefetch_threshold": 32})]
+
+
+def test_llama_tp2_with_storage_tier_equals_tp1(models, llama_tp1, tmp_path):
+    """Pass 2 starts after /flush_cache: its prefixes come back from storage. MHA: one
+    namespace per rank (each rank stores its own heads)."""
+    outputs, cached, _ = _serve_and_run(models["tiny-llama"], ["--tp-size", 2, *_storage_args(tmp_path, "wait_complete")],
+                                        passes=2)
+    assert cached["storage"] > 0, cached
+    assert outputs == llama_tp1[0]
+    assert len(os.listdir(tmp_path)) == 2, os.listdir(tmp_path)
+
+
+def test_mla_tp2_with_storage_tier_equals_tp1(models, mla_tp1, tmp_path):
+    """MLA: one namespace for both ranks, written by rank 0 only; `timeout` policy (ranks
+    agree on each verdict)."""
+    outputs, cached, _ = _serve_and_run(models["tiny-mla"], ["--tp-size", 2, *_storage_args(tmp_path, "timeout")],
+                                        passes=2)
+    assert cached["storage"] > 0, cached
+    assert outputs == mla_tp1[0]
+    assert len(os.listdir(tmp_path)) == 1, os.listdir(tmp_path)
 
 
 def test_killed_rank_stops_the_server(models):

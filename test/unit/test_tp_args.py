@@ -1,5 +1,5 @@
 """--tp-size, --dist-init-addr, --dist-timeout: the rules `server_args_tp.resolve_tp` applies
-(the GGUF int4 path and the storage tier are TP=1 only). resolve() reads no weights: a
+(the GGUF int4 path is TP=1 only). resolve() reads no weights: a
 placeholder `.gguf` file and a config-only folder stand in for models."""
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ def test_gguf_default_becomes_none_at_tp2(gguf_file, caplog):
 def test_explicit_gguf_at_tp2_is_refused(gguf_file):
     with pytest.raises(ValueError, match="--quantization gguf .* cannot be split over --tp-size 2"):
         ServerArgs(model_path=gguf_file, dtype="bfloat16", device="cpu", tp_size=2, quantization="gguf").resolve(CPU)
-
-
-def test_storage_tier_at_tp2_is_refused(hf_folder):
-    with pytest.raises(ValueError, match="--hicache-storage-backend with --tp-size 2"):
-        ServerArgs(model_path=hf_folder, device="cpu", tp_size=2, enable_hierarchical_cache=True,
-                   hicache_storage_backend="file").resolve(CPU)
 
 
 @pytest.mark.parametrize("kwargs, match", [
