@@ -22,7 +22,7 @@ import logging
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,7 +168,7 @@ def tp_min_ints(values: list[int]) -> list[int]:
     return t.tolist()
 
 
-def tp_gather_objects(obj: Any) -> Optional[list[Any]]:
+def tp_gather_objects(obj: Any) -> list[Any]:
     """Every rank's picklable `obj`, in rank order, on every rank (CPU group); [obj] at size 1."""
     g = _GROUP
     if g.size == 1:

@@ -138,8 +138,8 @@ def _storage_args(folder, policy: str) -> list:
 def test_llama_tp2_with_storage_tier_equals_tp1(models, llama_tp1, tmp_path):
     """Pass 2 starts after /flush_cache: its prefixes come back from storage. MHA: one
     namespace per rank (each rank stores its own heads)."""
-    outputs, cached, _ = _serve_and_run(models["tiny-llama"], ["--tp-size", 2, *_storage_args(tmp_path, "wait_complete")],
-                                        passes=2)
+    args = ["--tp-size", 2, *_storage_args(tmp_path, "wait_complete")]
+    outputs, cached, _ = _serve_and_run(models["tiny-llama"], args, passes=2)
     assert cached["storage"] > 0, cached
     assert outputs == llama_tp1[0]
     assert len(os.listdir(tmp_path)) == 2, os.listdir(tmp_path)

@@ -55,7 +55,8 @@ def test_llama_dummy_shards_are_slices_of_tp1(tiny_llama, rank):
     gu = full[f"{L}.mlp.gate_up_proj.weight"]  # [gate 256 | up 256, 128]
     assert torch.equal(part[f"{L}.mlp.gate_up_proj.weight"],
                        torch.cat([gu[rank * 128:(rank + 1) * 128], gu[256 + rank * 128:256 + (rank + 1) * 128]]))
-    assert torch.equal(part[f"{L}.mlp.down_proj.weight"], full[f"{L}.mlp.down_proj.weight"][:, rank * 128:(rank + 1) * 128])
+    down = full[f"{L}.mlp.down_proj.weight"]
+    assert torch.equal(part[f"{L}.mlp.down_proj.weight"], down[:, rank * 128:(rank + 1) * 128])
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert torch.equal(part[name], full[name][rank * 256:(rank + 1) * 256])
     assert torch.equal(part[f"{L}.input_layernorm.weight"], full[f"{L}.input_layernorm.weight"])
