@@ -94,6 +94,12 @@ def init_tp_group(size: int, rank: int, init_addr: str, device: torch.device,
                             timeout=timeout)
     cpu_group = dist.new_group(list(range(size)), backend="gloo", timeout=timeout)
     _GROUP = TPGroup(rank=rank, size=size, device_group=dist.group.WORLD, cpu_group=cpu_group)
+    # One collective per group now: NCCL creates its communicator at the first one, which
+    # must not be inside a CUDA-graph capture (the decode graphs capture the all-reduces).
+    dist.all_reduce(torch.zeros(1, device=device), group=_GROUP.device_group)
+    dist.barrier(group=cpu_group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     logger.info("TP rank %d/%d (pid %d) joined at %s (device group %s, CPU group gloo, timeout %.0f s)",
                 rank, size, os.getpid(), init_addr, backend, timeout_s)
     return _GROUP
@@ -121,6 +127,10 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if g.size == 1:
         return x
     x = x.contiguous()
+    if x.is_cuda:  # one NCCL all-gather into a [size, ...] buffer, then ranks side by side
+        out = torch.empty((g.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=g.device_group)
+        return out.movedim(0, -2).reshape(*x.shape[:-1], g.size * x.shape[-1])
     parts = [torch.empty_like(x) for _ in range(g.size)]
     dist.all_gather(parts, x, group=g.device_group)
     return torch.cat(parts, dim=-1)
