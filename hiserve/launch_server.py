@@ -15,8 +15,16 @@ process thus starts sooner, holds ~180 MiB less, and on CUDA creates no CUDA con
 (xgrammar, which imports torch, still loads here at the first request with a grammar
 constraint, to refuse a bad one with a 400 before any work starts.)
 
-The scheduler process is killed whenever this process leaves, normally or by SIGTERM /
-SIGINT. If it dies first, requests fail with 503 instead of waiting forever.
+With `--tp-size N` there are N scheduler processes, one per tensor-parallel rank: rank 0 is
+started first and resolves the flags; ranks 1..N-1 are started with the resolved flags; all
+meet at `--dist-init-addr` (default: a free local port) through torch.distributed. Only rank
+0 talks to the API process; every rank's pipe reports its readiness (or its error).
+
+The scheduler processes are killed whenever this process leaves, normally or by SIGTERM /
+SIGINT. If the one scheduler (TP 1) dies first, requests fail with 503 instead of waiting
+forever. With TP > 1 no rank can serve alone: when any rank exits, the server logs which one
+and with what code, stops the others and exits with status 1 (the surviving ranks' pending
+collectives fail too, or time out after `--dist-timeout`).
 
 Threads: the scheduler process computes on `scheduler_threads()` torch/OpenMP threads (the
 cores it may use: its affinity, capped by a cgroup v2 cpu.max quota; or OMP_NUM_THREADS when
@@ -57,20 +65,28 @@ def scheduler_threads() -> tuple[int, str]:
     return cpu_compute_threads()
 
 
-def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArgs, writer: Any) -> None:
+def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArgs, writer: Any,
+                   tp_rank: int = 0, dist_init_addr: str | None = None) -> None:
     """Scheduler process entry: size torch's and OpenMP's thread pools before torch loads,
     resolve the flags and send them back (the API process never imports torch to resolve
     them), then run the scheduler. Importing torch and the scheduler only here keeps them
     out of the API process, which pickles only a reference to this function.
 
     Pipe messages, in order: the resolved `ServerArgs` or an `InvalidServerArgs`, then (from
-    `run_scheduler_process`) a `SchedulerReady` or an error string.
+    `run_scheduler_process`) a `SchedulerReady` or an error string. TP ranks > 0 get resolved
+    flags and send only the second message.
     """
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     import torch
 
     torch.set_num_threads(num_threads)
-    logging.basicConfig(level=server_args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
+    tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    logging.basicConfig(level=server_args.log_level.upper(), format=f"[%(asctime)s {tag}] %(message)s")
+    if tp_rank > 0:  # flags already resolved by rank 0
+        from hiserve.engine.scheduler import run_scheduler_process
+
+        run_scheduler_process(server_args, port_args, writer, tp_rank, dist_init_addr)
+        return
     try:
         server_args.resolve()
     except (ValueError, FileNotFoundError) as e:
@@ -84,7 +100,7 @@ def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArg
     writer.send(server_args)
     from hiserve.engine.scheduler import run_scheduler_process
 
-    run_scheduler_process(server_args, port_args, writer)
+    run_scheduler_process(server_args, port_args, writer, 0, dist_init_addr)
 
 
 def _limit_api_threads() -> None:
@@ -92,29 +108,58 @@ def _limit_api_threads() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
-def _receive(proc: mp.Process, reader: Any) -> Any:
-    """The scheduler process's next pipe message; raises RuntimeError if it dies first or
-    sends an error string."""
+def _dead_ranks(procs: list[mp.Process]) -> str:
+    """'' while every scheduler process lives, else which exited: 'the scheduler process
+    (exit code c)' at TP 1, 'scheduler TP rank r (exit code c), ...' otherwise."""
+    dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()]
+    if not dead:
+        return ""
+    if len(procs) == 1:
+        return f"the scheduler process (exit code {dead[0][1]})"
+    return ", ".join(f"scheduler TP rank {r} (exit code {c})" for r, c in dead)
+
+
+def _peer_errors(readers: list[Any], skip: int) -> str:
+    """Error strings other ranks have already sent (a rank that failed alone, e.g. out of
+    memory on its GPU, says why there; the others only see a failed collective)."""
+    errors = []
+    for r, reader in enumerate(readers):
+        try:
+            if r != skip and reader.poll(0):
+                msg = reader.recv()
+                if isinstance(msg, str):
+                    errors.append(f"TP rank {r}: {msg}")
+        except (EOFError, OSError):
+            pass
+    return "".join("\n" + e for e in errors)
+
+
+def _receive(procs: list[mp.Process], readers: list[Any], rank: int = 0) -> Any:
+    """The next pipe message of scheduler rank `rank`; raises RuntimeError (with any error
+    another rank sent) if any scheduler process dies first, or the rank sends an error string."""
+    reader, tp = readers[rank], len(procs)
+    who = "the scheduler process" if tp == 1 else f"scheduler TP rank {rank}"
     while not reader.poll(0.5):
-        if not proc.is_alive() and not reader.poll(0):
-            raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} before it was ready")
+        dead = _dead_ranks(procs)
+        if dead and not reader.poll(0):
+            raise RuntimeError(f"{dead} exited before the server was ready{_peer_errors(readers, rank)}")
     try:
         msg = reader.recv()
     except EOFError:
-        raise RuntimeError("the scheduler process closed its pipe before it was ready") from None
+        raise RuntimeError(f"{who} closed its pipe before it was ready{_peer_errors(readers, rank)}") from None
     if isinstance(msg, str):
-        raise RuntimeError(msg)
+        raise RuntimeError(msg if tp == 1 else f"TP rank {rank}: {msg}{_peer_errors(readers, rank)}")
     return msg
 
 
-def _wait_for_resolved_args(proc: mp.Process, reader: Any) -> ServerArgs:
-    """The frozen ServerArgs the scheduler process resolved.
+def _wait_for_resolved_args(procs: list[mp.Process], readers: list[Any]) -> ServerArgs:
+    """The frozen ServerArgs the scheduler process (TP rank 0) resolved.
 
     Raises:
         InvalidServerArgs: resolve() refused the flags.
         RuntimeError: the scheduler process died or failed first.
     """
-    msg = _receive(proc, reader)
+    msg = _receive(procs, readers)
     if isinstance(msg, InvalidServerArgs):
         raise msg
     if not isinstance(msg, ServerArgs):
@@ -128,13 +173,26 @@ def _log_server_args(server_args: ServerArgs) -> None:
     logger.info("server_args: %s", shown)
 
 
-def _stop_scheduler(proc: mp.Process) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
+def _stop_schedulers(procs: list[mp.Process]) -> None:
+    """SIGTERM every scheduler process, then SIGKILL whichever is still alive after 5 s."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _free_local_addr() -> str:
+    """127.0.0.1:<a free TCP port> where the TP ranks meet (no --dist-init-addr)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _local_url(server_args: ServerArgs) -> str:
@@ -161,20 +219,29 @@ async def _warm_up(server_args: ServerArgs) -> None:
     logger.info("Warm-up output: %r", r.json()["text"])
 
 
-async def _serve(app: Any, tm: Any, server_args: ServerArgs, proc: mp.Process) -> bool:
-    """Run uvicorn with the warm-up and the scheduler watchdog beside it; False if warm-up failed."""
+async def _serve(app: Any, tm: Any, server_args: ServerArgs, procs: list[mp.Process]) -> bool:
+    """Run uvicorn with the warm-up and the scheduler watchdog beside it; False if warm-up
+    failed or (TP > 1) a rank exited, which stops the server."""
     import uvicorn
 
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                             log_level=server_args.log_level, timeout_keep_alive=5,
                             access_log=server_args.log_level == "debug")
     server = uvicorn.Server(config)
-    warm_up_failed = False
+    warm_up_failed = rank_died = False
 
     async def watch_scheduler() -> None:
-        while proc.is_alive():
+        nonlocal rank_died
+        while not (dead := _dead_ranks(procs)):
             await asyncio.sleep(0.5)
-        tm.scheduler_died(f"the scheduler process exited with code {proc.exitcode}")
+        if len(procs) == 1:
+            tm.scheduler_died(f"the scheduler process exited with code {procs[0].exitcode}")
+            return
+        msg = f"{dead} exited; --tp-size {len(procs)} cannot serve without every rank: stopping the server"
+        logger.error(msg)
+        tm.scheduler_died(msg)
+        rank_died = True
+        server.should_exit = True
 
     async def warm_up() -> None:
         nonlocal warm_up_failed
@@ -197,7 +264,7 @@ async def _serve(app: Any, tm: Any, server_args: ServerArgs, proc: mp.Process) -
     finally:
         for t in tasks:
             t.cancel()
-    return not warm_up_failed
+    return not (warm_up_failed or rank_died)
 
 
 def launch_server(server_args: ServerArgs) -> int:
@@ -214,31 +281,46 @@ def launch_server(server_args: ServerArgs) -> int:
 
     port_args = PortArgs.init_new()
     spawn = mp.get_context("spawn")
-    reader, writer = spawn.Pipe(duplex=False)
+    tp = server_args.tp_size
+    dist_addr = (server_args.dist_init_addr or _free_local_addr()) if tp > 1 else None
     threads, why = scheduler_threads()
+    if tp > 1:  # the ranks share this machine's cores
+        threads, why = max(1, threads // tp), f"{why}, shared by {tp} TP ranks"
     logger.info("Scheduler compute threads: %d (%s); API process: 1", threads, why)
     _limit_api_threads()  # before the spawn too: the child starts from this environment
-    proc = spawn.Process(target=_run_scheduler, args=(threads, server_args, port_args, writer),
-                         name="hiserve-scheduler")
+    readers, procs = [], []
+
+    def start_rank(rank: int, args: ServerArgs) -> None:
+        reader, writer = spawn.Pipe(duplex=False)
+        proc = spawn.Process(target=_run_scheduler, args=(threads, args, port_args, writer, rank, dist_addr),
+                             name="hiserve-scheduler" if tp == 1 else f"hiserve-scheduler-tp{rank}")
+        proc.start()
+        writer.close()  # ours; the child holds its own copy, so its death closes the pipe
+        readers.append(reader)
+        procs.append(proc)
+
     start = time.monotonic()
-    proc.start()
-    writer.close()  # ours; the child holds its own copy, so its death closes the pipe
+    start_rank(0, server_args)
     try:
-        server_args = _wait_for_resolved_args(proc, reader)
+        server_args = _wait_for_resolved_args(procs, readers)
         _log_server_args(server_args)
-        ready = _receive(proc, reader)
+        for rank in range(1, tp):  # with rank 0's resolved flags: every rank runs the same
+            start_rank(rank, server_args)
+        ready = _receive(procs, readers)
+        for rank in range(1, tp):
+            _receive(procs, readers, rank)
         logger.info("Scheduler ready in %.1f s: max_total_num_tokens=%d, max_req_input_len=%d, "
-                    "context_len=%d, max_running_requests=%d", time.monotonic() - start,
+                    "context_len=%d, max_running_requests=%d, tp_size=%d", time.monotonic() - start,
                     ready.max_total_num_tokens, ready.max_req_input_len, ready.context_len,
-                    ready.max_running_requests)
+                    ready.max_running_requests, tp)
         tm = TokenizerManager(server_args, port_args, ready)  # tokenizer rebuilt from ready.tokenizer_spec
-        ok = asyncio.run(_serve(create_app(tm), tm, server_args, proc))
+        ok = asyncio.run(_serve(create_app(tm), tm, server_args, procs))
         return 0 if ok else 1
     except RuntimeError as e:
         logger.error("%s", e)
         return 1
     finally:
-        _stop_scheduler(proc)
+        _stop_schedulers(procs)
         for name in (port_args.scheduler_input_ipc_name, port_args.tokenizer_ipc_name):
             try:
                 os.unlink(name.removeprefix("ipc://"))

@@ -144,7 +144,10 @@ class ServerArgs:
         "then runs in a worker thread while the scheduler thread does its host work (it exercises "
         "the overlap path; it is not expected to be faster on the CPU). SGLang spelled the opt-in "
         "this way before overlap became its default.")
-    tp_size: int = _arg(1, "Tensor-parallel ranks (only 1 is implemented).")
+    tp_size: int = _arg(1, "Tensor-parallel ranks: one scheduler process per rank (rank r on CUDA device r), joined by "
+                        "torch.distributed (NCCL on CUDA, gloo on the CPU); rank 0 talks to the API process.")
+    dist_init_addr: Optional[str] = _arg(None, "host:port where the TP ranks meet (default: a free local port).")
+    dist_timeout: int = _arg(600, "Seconds a TP collective may wait before the rank fails (a hung peer).")
 
     # Hierarchical cache
     enable_hierarchical_cache: bool = _arg(
@@ -220,6 +223,7 @@ class ServerArgs:
             ValueError: a flag value is out of range or a combination cannot run.
         """
         from hiserve.models.loader import resolve_model_path
+        from hiserve.server_args_tp import resolve_tp
 
         if getattr(self, "_frozen", False):
             return self  # already resolved
@@ -245,12 +249,11 @@ class ServerArgs:
                 self.dtype, why = "float32", "CPU without AVX512-BF16/AMX"
             logger.info("--dtype auto -> %s (%s: %s)", self.dtype, why, platform.cpu.describe())
 
+        resolve_tp(self)  # before the quantization default: TP > 1 has no int4 GGUF path
         self._resolve_quantization()
 
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size}: only 1 rank is implemented")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if not self.health_stall_timeout > 0:

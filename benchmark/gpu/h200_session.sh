@@ -9,6 +9,12 @@
 #                                                   #   is the same run, "overlap-e2e-off" the one with it off)
 #   bash benchmark/gpu/h200_session.sh profile-step # host time per decode step by phase, overlap on / off,
 #                                                   #   at concurrency 1 and 16, with torch.profiler traces (~4 min)
+#   bash benchmark/gpu/h200_session.sh tp2          # issue 14 on nvidia-h200-x2: decode step TP=2 vs TP=1
+#                                                   #   (bench_tp_decode), then the GPU serving scenarios with
+#                                                   #   every server at --tp-size 2 (500-request stress with the
+#                                                   #   host tier, identity with/without it) against a TP=1
+#                                                   #   server on the same backend (calibrated tolerance) (~15 min)
+#   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
 # project's missing wheels installed (README of benchmark/gpu).
 set -uo pipefail
@@ -43,6 +49,31 @@ case "${1:-tests}" in
       python3 benchmark/gpu/profile_scheduler_step.py --concurrency "$c" --name "h200_scheduler_step_c$c" \
         --trace "$OUT/traces" --out-dir "$OUT" 2>&1 | tail -16 | tee "$OUT/scheduler_step_c$c.txt"
     done
+    ;;
+  tp2)
+    nvidia-smi topo -m | tee "$OUT/topo.txt"  # NVLink between the two GPUs; multicast stays off (KINDS.md)
+    python3 benchmark/gpu/bench_tp_decode.py --out-dir "$OUT" 2>&1 | tail -20 | tee "$OUT/tp_decode.txt"
+    python3 benchmark/gpu/bench_tp_decode.py --shape deepseek-mla --out-dir "$OUT" 2>&1 | tail -20 \
+      | tee "$OUT/tp_decode_mla.txt"
+    # Servers A and B at TP=2; server C (the reference) at TP=1 on the same backend, CUDA graphs on.
+    HISERVE_RESULTS_DIR="$OUT/tp2" HISERVE_GPU_SERVER_EXTRA="--cuda-graph-max-bs 16 --tp-size 2" \
+      HISERVE_GPU_REFERENCE_BACKEND=fa3 HISERVE_GPU_REFERENCE_EXTRA="--cuda-graph-max-bs 16 --tp-size 1" \
+      python3 -m pytest -m cuda test/gpu -k llama3 -q -x -p no:cacheprovider -s 2>&1 | tail -60 \
+      | tee "$OUT/gpu_e2e_tp2_llama.txt"
+    HISERVE_RESULTS_DIR="$OUT/tp2" HISERVE_GPU_SERVER_EXTRA="--cuda-graph-max-bs 16 --tp-size 2" \
+      HISERVE_GPU_MLA_BACKEND=triton HISERVE_GPU_REFERENCE_BACKEND=triton \
+      HISERVE_GPU_REFERENCE_EXTRA="--cuda-graph-max-bs 16 --tp-size 1" \
+      python3 -m pytest -m cuda test/gpu -k deepseek -q -x -p no:cacheprovider -s 2>&1 | tail -60 \
+      | tee "$OUT/gpu_e2e_tp2_mla.txt"
+    ;;
+  tp2-cpu)
+    python3 benchmark/gpu/bench_tp_decode.py --tiny --device cpu --out-dir "$OUT" 2>&1 | tail -12 \
+      | tee "$OUT/tp_decode_cpu.txt"
+    HISERVE_RESULTS_DIR="$OUT/tp2" HISERVE_CPU_SERVER_EXTRA="--tp-size 2" HISERVE_CPU_REFERENCE_EXTRA="--tp-size 1" \
+      python3 -m pytest test/gpu -k "cpu-tiny-llama" -q -x -p no:cacheprovider -s 2>&1 | tail -40 \
+      | tee "$OUT/gpu_e2e_tp2_cpu.txt"
+    python3 -m pytest test/e2e/test_tp.py test/unit/test_tp_collectives.py test/unit/test_tp_sharding.py -q \
+      -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/tp_tests_cpu.txt"
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from hiserve.distributed import get_tp_group, tp_broadcast_, tp_min_ints
 from hiserve.engine.logprobs import global_rows, input_logprob_rows, logprob_rows, output_logprob_tensors
 from hiserve.engine.sample_result import SampleOutput, SampleResult, SamplingPlan
 from hiserve.engine.sampler import Sampler, SamplingBatchInfo
@@ -55,6 +57,17 @@ def create_attention_backend(name: str, runner: "ModelRunner") -> AttentionBacke
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+def tp_local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """The config as one TP rank's attention and KV pool see it: H / tp query heads and its
+    KV heads (split, or one replicated head per rank when fewer KV heads than ranks); MLA
+    keeps its latent whole. Vocabulary, hidden size and layers are unchanged."""
+    if tp_size == 1:
+        return config
+    kv = config.num_key_value_heads
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // tp_size,
+                               num_key_value_heads=kv // tp_size if kv >= tp_size else 1)
+
+
 def create_pass_attention_backend(server_args: ServerArgs, runner: "ModelRunner") -> AttentionBackend:
     """The backend of every pass: one backend, or a hybrid when --prefill-attention-backend
     and --decode-attention-backend differ (each defaults to --attention-backend)."""
@@ -85,7 +98,11 @@ class ModelRunner:
 
     def __init__(self, server_args: ServerArgs, model: tuple[nn.Module, ModelConfig] | None = None):
         self.server_args = server_args
+        self.tp = get_tp_group()
+        # TP rank r runs on CUDA device r (the launcher's layout); the CPU has one device.
         self.device = torch.device(server_args.device)
+        if self.device.type == "cuda" and self.tp.size > 1:
+            self.device = torch.device("cuda", self.tp.rank)
         self.dtype = _DTYPES[server_args.dtype]
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
@@ -97,7 +114,9 @@ class ModelRunner:
         if model is None:
             model = load_model(server_args.model_path, self.dtype, self.device, load_format=server_args.load_format,
                                quantization=server_args.quantization or "none")
-        self.model, self.model_config = model
+        self.model, self.full_model_config = model
+        # Attention backends and the KV pool read this rank's heads from it.
+        self.model_config = tp_local_config(self.full_model_config, self.tp.size)
         self.model.eval()
         if getattr(self.model, "pack_for_cpu", None) is not None and self.model.pack_for_cpu():
             logger.info("Linear weights prepacked for oneDNN (CPU, %s)", server_args.dtype)
@@ -165,6 +184,9 @@ class ModelRunner:
         rows, device pool, allocator, and with --enable-hierarchical-cache the host tier."""
         self.max_running_requests = self.server_args.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS
         size = self._profile_max_total_tokens(self._kv_spec(0))
+        # Every TP rank must hold the same slots (rank 0's scheduling decisions name slots
+        # and pages that every rank's pools must have): the smallest budget wins.
+        size = tp_min_ints([size])[0]
         self.kv_hierarchy = build_kv_hierarchy(self._kv_spec(size))
         self.max_total_num_tokens = self.kv_hierarchy.allocator.size
         # The attention backends and CUDA graphs read these; benchmarks and kernel tests that
@@ -294,6 +316,10 @@ class ModelRunner:
             if plan.select is not None:
                 logits = logits.index_select(0, plan.select)
             next_ids, logprobs = self.sampler.sample_and_logprobs(logits, info, plan.logprob_index)
+            # TP: every rank samples from the same gathered logits with the same seeds; rank 0's
+            # tokens are broadcast anyway so the ranks' schedulers can never diverge (a kernel's
+            # nondeterminism, a random draw). Device group: no host round trip.
+            next_ids = tp_broadcast_(next_ids, src=0)
             out = SampleOutput(next_ids)
             if plan.logprob_index is not None:
                 out.token_logprobs, out.top_values, out.top_ids = output_logprob_tensors(

@@ -1,5 +1,13 @@
 """The scheduler process: receive → schedule → run → process results → cache events, every iteration.
 
+Tensor parallelism (`--tp-size N`): one scheduler process per rank, each with its own model
+shard and KV hierarchy. Rank 0 receives from the API process and broadcasts every
+iteration's messages (a pickled list on the gloo CPU group, as SGLang does); every rank then
+runs the same deterministic loop on the same inputs, so each makes the same batches, slot
+and page choices and runs the same forward (sampled tokens are broadcast from rank 0).
+Only rank 0 sends outputs. See `hiserve/distributed/` and the TP notes in
+`hiserve/mem_cache/README.md` for where ranks could diverge and how they are kept together.
+
 Continuous batching: a prefill (extend) pass admits waiting requests whenever the budgets
 allow, otherwise the running requests decode one token each. Long prompts are split into
 chunks (chunked prefill); when the device pool cannot hold the next decode step, running
@@ -18,6 +26,7 @@ from typing import Any, Optional
 import torch
 import zmq
 
+from hiserve.distributed import broadcast_pyobj, get_tp_group, init_tp_group
 from hiserve.engine.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -59,6 +68,8 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
 
     def __init__(self, server_args: ServerArgs, port_args: Optional[PortArgs]):
         self.server_args = server_args
+        self.tp = get_tp_group()
+        self._drop_outputs = not self.tp.is_first  # only rank 0 answers the API process
         self.page_size = server_args.page_size
         self.model_runner = ModelRunner(server_args)
         self.device = self.model_runner.device
@@ -84,7 +95,7 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
 
         self.outbox: list[Any] = []  # messages for the API process when no socket (tests)
         self.send_to_api = None
-        if port_args is not None:
+        if port_args is not None and self.tp.is_first:
             ctx = zmq.Context(2)
             self.recv_from_api = ctx.socket(zmq.PULL)
             self.recv_from_api.bind(port_args.scheduler_input_ipc_name)
@@ -128,6 +139,12 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
         self.kv.poll()
 
     def _recv_requests(self, block: bool) -> list[Any]:
+        """This iteration's messages: rank 0 reads the API socket (waiting up to
+        _IDLE_POLL_MS when `block`), and under TP broadcasts them to every rank."""
+        msgs = self._recv_from_api(block) if self.tp.is_first else []
+        return broadcast_pyobj(msgs) if self.tp.size > 1 else msgs
+
+    def _recv_from_api(self, block: bool) -> list[Any]:
         msgs = []
         if block and not self.recv_from_api.poll(_IDLE_POLL_MS):
             return msgs
@@ -396,13 +413,19 @@ def _die_with_parent() -> None:
         logger.warning("cannot tie the scheduler's life to its parent on this platform")
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any) -> None:
-    """Entry point of the scheduler process: build, report readiness (or the error), loop."""
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format="[%(asctime)s scheduler] %(message)s")
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer: Any, tp_rank: int = 0,
+                          dist_init_addr: Optional[str] = None) -> None:
+    """Entry point of the scheduler process of TP rank `tp_rank`: join the other ranks at
+    `dist_init_addr` (TP > 1), build, report readiness (or the error), loop. A collective
+    that fails (a rank died or hung past --dist-timeout) ends the process with the error."""
+    tag = "scheduler" if server_args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    logging.basicConfig(level=server_args.log_level.upper(), format=f"[%(asctime)s {tag}] %(message)s")
     _die_with_parent()
     try:
-        scheduler = Scheduler(server_args, port_args)
+        if server_args.tp_size > 1:
+            device = torch.device("cuda", tp_rank) if server_args.device == "cuda" else torch.device("cpu")
+            init_tp_group(server_args.tp_size, tp_rank, dist_init_addr, device, server_args.dist_timeout)
+        scheduler = Scheduler(server_args, port_args if tp_rank == 0 else None)
     except Exception as e:  # reported to the launcher, which exits with it
         pipe_writer.send(f"scheduler failed to start: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return

@@ -18,6 +18,7 @@ _HEARTBEAT_S = 1.0  # while busy, stats reach the API process at least this ofte
 class SchedulerOutputMixin:
     """Mixed into `Scheduler`; reads its queues, pools and `server_args`."""
 
+    _drop_outputs = False  # TP ranks other than 0 compute outputs but never send them
     _last_emit_time = 0.0  # of the latest BatchTokenIDOut (monotonic s)
     _idle_stats_sent = False  # the stats of the current idle period have been sent
 
@@ -63,6 +64,8 @@ class SchedulerOutputMixin:
         self._idle_stats_sent = idle
 
     def _emit(self, msg: Any) -> None:
+        if self._drop_outputs:
+            return  # a TP rank other than 0: rank 0 sends the same outputs
         if isinstance(msg, BatchTokenIDOut):
             self._last_emit_time = time.monotonic()
             self._idle_stats_sent = False

@@ -16,6 +16,10 @@ CUDA graph cannot capture; while a capture is in progress (decode under CUDA gra
 experts instead run densely, every expert on every token with the routing weights as a
 dense `[T, E]` matrix (zero for experts a token did not pick): fixed shapes, no host
 sync, E/k times the expert FLOPs, which is cheap at decode batch sizes.
+
+Under tensor parallelism every expert is split along its intermediate dimension (each rank
+I / tp gate, up and down columns of every expert: Megatron's MLP split per expert); the
+result is a partial sum the caller all-reduces (once, with the shared experts').
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hiserve.distributed import get_tp_group
 
 
 def select_experts(
@@ -74,18 +80,36 @@ def select_experts(
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts, weights stacked; `forward(x, weights, ids)` sums each token's experts."""
+    """E SwiGLU experts, weights stacked; `forward(x, weights, ids)` sums each token's experts
+    (this rank's share of it under TP: `intermediate_size` is then the local I / tp)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
         super().__init__()
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
+        self.inter_start, inter = get_tp_group().shard(intermediate_size, "expert intermediate columns")
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = inter
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False
         )
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+            torch.empty(num_experts, hidden_size, inter, dtype=dtype), requires_grad=False
         )
+        if inter != intermediate_size:
+            self.gate_up_proj.tp_full_shape = (num_experts, 2 * intermediate_size, hidden_size)
+            self.gate_up_proj.tp_shard = self.shard_gate_up
+            self.down_proj.tp_full_shape = (num_experts, hidden_size, intermediate_size)
+            self.down_proj.tp_shard = self.shard_down
+
+    def shard_gate_up(self, full: torch.Tensor) -> torch.Tensor:
+        """[..., 2I (gate | up), H] at TP=1 -> this rank's [..., 2I/tp (gate | up), H]."""
+        s, n, i = self.inter_start, self.intermediate_size, self.full_intermediate_size
+        dim = full.dim() - 2
+        return torch.cat([full.narrow(dim, s, n), full.narrow(dim, i + s, n)], dim=dim)
+
+    def shard_down(self, full: torch.Tensor) -> torch.Tensor:
+        """[..., H, I] at TP=1 -> this rank's [..., H, I/tp]."""
+        return full.narrow(-1, self.inter_start, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights [T, k] float32, ids [T, k] int64 -> [T, H] in x's dtype."""

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hiserve.distributed import get_tp_group, tp_min_ints
+
 if TYPE_CHECKING:
     from hiserve.mem_cache.memory_pool import KVCache
     from hiserve.mem_cache.memory_pool_host import HostKVCache
@@ -69,6 +71,18 @@ class CacheAck:
         """Block the host until the transfer has finished."""
         if self.finish_event is not None:
             self.finish_event.synchronize()
+
+
+def agreed_done(acks: list[CacheAck]) -> list[bool]:
+    """`done()` of each ack, agreed across TP ranks: an ack counts as done only when it is
+    done on every rank (element-wise all-reduce MIN on the CPU group, as SGLang's HiCache
+    agrees on finished transfers), so every rank's tree takes the same acks in the same
+    iteration. Every rank holds the same acks (same schedule), so the lists have the same
+    length. On the CPU (no events: every ack is done at once) no collective is needed."""
+    flags = [a.done() for a in acks]
+    if get_tp_group().size == 1 or all(a.finish_event is None for a in acks):
+        return flags
+    return [bool(f) for f in tp_min_ints([int(f) for f in flags])]
 
 
 class LoadTicket:
@@ -216,10 +230,9 @@ class HiCacheController:
 
     @staticmethod
     def _drain(queue: deque[CacheAck]) -> list[CacheAck]:
-        done = []
-        while queue and queue[0].done():
-            done.append(queue.popleft())
-        return done
+        flags = agreed_done(list(queue))
+        n = flags.index(False) if False in flags else len(flags)  # the finished head, in order
+        return [queue.popleft() for _ in range(n)]
 
     def poll_write_acks(self) -> list[CacheAck]:
         """Finished writes, oldest first (stops at the first unfinished one)."""

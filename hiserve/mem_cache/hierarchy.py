@@ -146,12 +146,18 @@ def _storage_tier(spec: KVSpec, host_pool) -> tuple[object | None, str, object |
     from hiserve.mem_cache.storage import create_storage, parse_extra_config
     from hiserve.mem_cache.storage.keys import storage_namespace
     from hiserve.mem_cache.storage_controller import StorageConfig, StorageController
+    from hiserve.distributed import get_tp_group
 
     extra = parse_extra_config(spec.hicache_storage_extra_config)
     config = StorageConfig.from_extra_config(spec.hicache_storage_prefetch_policy, extra)
+    kinds = [(k.name, k.item_shape) for k in host_pool.kinds]
+    # TP: an MHA rank's pages hold only its heads (its own namespace); MLA's latent is the
+    # same on every rank and at TP=1 (one namespace, written by rank 0: hiradix_storage.py).
+    tp = get_tp_group()
+    ns_extra = f"tp_rank={tp.rank}/tp_size={tp.size}" if tp.size > 1 and not spec.is_mla else ""
     namespace = storage_namespace(
         spec.model_identity, str(spec.dtype).replace("torch.", ""), spec.page_size, host_pool.layout,
-        [(k.name, k.item_shape) for k in host_pool.kinds], spec.layer_num)
+        kinds, spec.layer_num, ns_extra)
     backend = create_storage(spec.hicache_storage_backend, host_pool, namespace, extra)
     logger.info("storage tier: %s, namespace %s, prefetch %s (threshold %d tokens)",
                 spec.hicache_storage_backend, namespace, config.prefetch_policy, config.prefetch_threshold)

@@ -52,7 +52,7 @@ from typing import Iterator
 
 import torch
 
-from hiserve.mem_cache.cache_controller import CacheAck, HiCacheController
+from hiserve.mem_cache.cache_controller import CacheAck, HiCacheController, agreed_done
 from hiserve.mem_cache.hiradix_storage import HiRadixStorageMixin
 from hiserve.mem_cache.prefix_cache import InsertResult, PrefixHandle, empty_slots
 from hiserve.mem_cache.radix_cache import RadixCache, TreeNode
@@ -239,10 +239,11 @@ class HiRadixCache(HiRadixStorageMixin, RadixCache):
     def _release_pending(self, wait: bool) -> torch.Tensor:
         """Slots of evicted nodes whose write has finished; with `wait`, block for all."""
         free, keep = [], []
-        for ack, slots in self._pending:
+        done = [True] * len(self._pending) if wait else agreed_done([a for a, _ in self._pending])
+        for (ack, slots), ok in zip(self._pending, done):
             if wait:
                 ack.synchronize()
-            (free if wait or ack.done() else keep).append((ack, slots))
+            (free if ok else keep).append((ack, slots))
         self._pending = keep
         self._pending_tokens = sum(len(s) for _, s in keep)
         return torch.cat([s for _, s in free]) if free else empty_slots()

@@ -33,6 +33,15 @@ Host slots are owned exactly once: by a tree node, by a prefetch op (`_prefetch_
 deferred-free list, or by the host pool's free list (`_storage_host_slots`, checked by
 `check_integrity`). SGLang's counterparts: `HiRadixCache.prefetch_from_storage`,
 `check_prefetch_progress`, `_insert_helper_host`, `write_backup_storage`.
+
+Tensor parallelism: each rank has its own worker and store namespace (MHA: its own heads, the
+rank in the namespace; MLA: one namespace, written by rank 0 only, read by all, as SGLang
+does), and the ranks agree on everything the worker decides asynchronously, so every tree
+stays equal (`tp_min_ints`, CPU group): the worker runs ops in submission order, so the ops
+finished on *every* rank are a common prefix and only those are processed (the rest wait,
+still the worker's); `hit_pages`, `stored_pages` and, at take time, `completed_pages` are the
+minimum over the ranks, and the `timeout` policy's verdict is "ready" only when every rank's
+clock says so.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hiserve.distributed import get_tp_group, tp_min_ints
 from hiserve.mem_cache.prefix_cache import empty_slots
 from hiserve.mem_cache.storage.keys import page_keys
 from hiserve.mem_cache.storage_controller import BackupOp, PrefetchOp, StorageConfig, StorageOpStats
@@ -67,6 +77,9 @@ class HiRadixStorageMixin:
         self.storage_config = config or StorageConfig()
         self.storage_stats = StorageOpStats()
         self._prefetch_ops: dict[int, PrefetchOp] = {}
+        self._storage_done: list[BackupOp | PrefetchOp] = []  # finished here, not on every rank yet
+        # MLA under TP: every rank holds the same latent, so only rank 0 writes it (one namespace).
+        self._storage_writer = get_tp_group().is_first or not self._storage_is_mla()
 
     def _reset_storage(self) -> None:
         """Cancel the prefetches, let the worker finish every op and account for them; the
@@ -74,12 +87,28 @@ class HiRadixStorageMixin:
         if self.storage is not None:
             for op in self._prefetch_ops.values():
                 op.cancelled = True
-            while self.storage.in_flight():
+            while self.storage.in_flight() + len(self._storage_done):  # equal on every rank
                 self.storage.wait_idle()
                 self._storage_poll([])
         self._storage_pins: dict[int, list["TreeNode"]] = {}  # op id -> pinned nodes
         self._prefetch_ops: dict[int, PrefetchOp] = {}
         self._deferred_host: list[tuple[set[int], torch.Tensor]] = []
+
+    def _storage_is_mla(self) -> bool:
+        return [k.name for k in self.mem_pool_host.kinds] == ["kv"]
+
+    def _agreed_storage_ops(self) -> list[BackupOp | PrefetchOp]:
+        """Finished ops to process now: at TP 1 all of them; under TP the leading ones every
+        rank has finished (the worker keeps submission order); the others stay the worker's
+        (`in_worker`) until the next poll."""
+        self._storage_done += self.storage.poll()
+        n = len(self._storage_done)
+        if get_tp_group().size > 1:
+            n = tp_min_ints([n])[0]
+        ops, self._storage_done = self._storage_done[:n], self._storage_done[n:]
+        for op in self._storage_done:
+            op.in_worker = True
+        return ops
 
     # ---- keys -----------------------------------------------------------------------
 
@@ -168,13 +197,15 @@ class HiRadixStorageMixin:
         P = self.page_size
         keys = [k for n in todo for k in n.storage_keys]
         pages = torch.cat([n.host_value[::P] // P for n in todo]).tolist()
-        op = BackupOp(keys, pages)
+        op = BackupOp(keys, pages, write=self._storage_writer)
         self._pin(op.op_id, todo)
         for n in todo:
             n.storage_state = "queued"
         self.storage.submit(op)
 
     def _backup_done(self, op: BackupOp) -> None:
+        if get_tp_group().size > 1:  # stored on every rank (MLA: rank 0's count; the others claim all)
+            op.stored_pages = tp_min_ints([op.stored_pages])[0]
         P = self.page_size
         stored = set(op.host_pages[:op.stored_pages])
         for n in self._storage_pins.get(op.op_id, []):
@@ -206,7 +237,7 @@ class HiRadixStorageMixin:
             return
         if written_nodes:
             self._queue_storage_backup(written_nodes)
-        for op in self.storage.poll():
+        for op in self._agreed_storage_ops():
             if isinstance(op, BackupOp):
                 self._backup_done(op)
             elif op.phase == "exists":
@@ -249,6 +280,8 @@ class HiRadixStorageMixin:
             self._settle(op)
             return
         P, cfg = self.page_size, self.storage_config
+        if get_tp_group().size > 1:  # pages every rank's store holds
+            op.hit_pages = tp_min_ints([op.hit_pages])[0]
         room = int(self.mem_pool_host.size * cfg.prefetch_host_fraction) - self._prefetch_held_tokens()
         op.hit_pages = min(op.hit_pages, max(room, 0) // P)
         if op.hit_pages * P < max(cfg.prefetch_threshold, P):
@@ -298,7 +331,8 @@ class HiRadixStorageMixin:
             return False
         cfg = self.storage_config
         budget = cfg.prefetch_timeout_base + cfg.prefetch_timeout_per_ki_token * op.num_tokens / 1024
-        return (time.monotonic() if now is None else now) - op.started >= budget
+        ready = (time.monotonic() if now is None else now) - op.started >= budget
+        return bool(tp_min_ints([int(ready)])[0]) if get_tp_group().size > 1 else ready
 
     def take_prefetch(self, op: PrefetchOp) -> int:
         """End `op` and insert the pages that have arrived as host-only nodes; returns the
@@ -306,6 +340,8 @@ class HiRadixStorageMixin:
         while the worker still holds the op, when it hands it back."""
         op.cancelled = True
         n = op.completed_pages if op.phase != "exists" else 0
+        if get_tp_group().size > 1:  # pages that arrived on every rank (the worker may still read)
+            n = tp_min_ints([n])[0]
         inserted = self._insert_prefetched(op, n) if n else 0
         op.taken_pages = n
         self._unpin(op.op_id)

@@ -39,6 +39,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from hiserve.distributed import get_tp_group, tp_gather_objects, tp_min_ints
 from hiserve.mem_cache.hierarchy import KVHierarchy
 from hiserve.mem_cache.prefix_cache import MatchResult, PrefixHandle, empty_slots
 
@@ -126,6 +127,7 @@ class KVManager:
         self.is_hierarchical = hierarchy.controller is not None
         self.has_storage = self.is_hierarchical and self.prefix_cache.storage is not None
         self._live: dict[int, ReqKV] = {}  # row -> state, for integrity checks
+        self._tp_size = get_tp_group().size
 
     @property
     def shares_prefixes(self) -> bool:
@@ -140,9 +142,27 @@ class KVManager:
         assert req.kv.row is None, "match() of a request that holds KV"
         limit = len(req.fill_ids) - 1 if max_len is None else min(max_len, len(req.fill_ids) - 1)
         m = self.prefix_cache.match(req.fill_ids[:limit])
+        if self._tp_size > 1:
+            self._agree_match(m)
         req.kv.match = m
         req.kv.prefix_len = m.device_len
         return m
+
+    @staticmethod
+    def _agree_match(m: MatchResult) -> None:
+        """TP: every rank must match the same device and host lengths, so every rank loads back
+        the same pages into the same slots (one all-reduce MIN of [dev, host, -dev, -host] on
+        the CPU group). Ranks run the same schedule on equal-sized pools and agree on transfer
+        completions, so their trees are equal by construction; a MIN could not repair a
+        difference (the slots behind the lengths would differ too), so one is an error.
+
+        Raises:
+            RuntimeError: the ranks' lengths differ (their hierarchies diverged).
+        """
+        lo = tp_min_ints([m.device_len, m.host_hit_length, -m.device_len, -m.host_hit_length])
+        if lo[0] != -lo[2] or lo[1] != -lo[3]:
+            raise RuntimeError(f"TP ranks matched different prefixes (device {lo[0]}..{-lo[2]}, host "
+                               f"{lo[1]}..{-lo[3]} tokens): their KV hierarchies diverged")
 
     def cached_len(self, token_ids: list[int]) -> int:
         """Device-cached prefix length of `token_ids[:-1]` (queue ordering; locks nothing)."""
@@ -400,6 +420,23 @@ class KVManager:
         self.allocator.free(self.prefix_cache.poll())
         if self.debug_checks:
             self.check_integrity()
+            self.check_ranks_agree()
+
+    def check_ranks_agree(self) -> None:
+        """Under TP every rank's hierarchy must be in the same state (each rank runs the same
+        schedule on its own pools); compare the counts across ranks (CPU group).
+
+        Raises:
+            AssertionError: the ranks differ (each rank's state in the message).
+        """
+        if get_tp_group().size == 1:
+            return
+        s = self.stats()
+        mine = (s.available, s.evictable, s.protected, s.pending, s.host_used, len(self._live),
+                self.rtt.available_size())
+        states = tp_gather_objects(mine)
+        assert all(st == states[0] for st in states), \
+            f"TP ranks' KV hierarchies diverged (available, evictable, protected, pending, host used, rows): {states}"
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (both tiers); False (nothing done) while requests hold KV."""

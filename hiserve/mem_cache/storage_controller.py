@@ -59,6 +59,7 @@ class BackupOp:
         host_pages: host page numbers holding those pages (same order).
         nodes: tree nodes pinned while the op runs (the scheduler thread's; the worker
             never reads them).
+        write: False on TP ranks other than 0 for MLA (rank 0 writes the shared latent pages).
         stored_pages: leading pages the store holds afterwards (written or already there).
         skipped_pages: leading pages that were already stored (not written again).
         seconds: worker wall time; error: an unexpected exception's text, else None.
@@ -67,6 +68,7 @@ class BackupOp:
     keys: list[str]
     host_pages: list[int]
     nodes: list = field(default_factory=list)
+    write: bool = True  # False: another TP rank writes these (MLA); report every page stored
     op_id: int = field(default_factory=lambda: next(_op_ids))
     stored_pages: int = 0
     skipped_pages: int = 0
@@ -250,6 +252,9 @@ class StorageController:
 
     def _execute(self, op: BackupOp | PrefetchOp) -> None:
         if isinstance(op, BackupOp):
+            if not op.write:
+                op.skipped_pages = op.stored_pages = len(op.keys)
+                return
             skip = self.backend.batch_exists(op.keys)
             op.skipped_pages = skip
             written = self.backend.batch_set_from(op.keys[skip:], op.host_pages[skip:]) if skip < len(op.keys) else 0

@@ -11,6 +11,12 @@ Attention per layer (shapes per token; H heads, r = kv_lora_rank):
 MLP: dense SwiGLU on the first `first_k_dense_replace` layers (all, without experts),
 then shared experts plus top-k routed experts (layers/moe.py).
 
+Tensor parallelism (`--tp-size`): the query projections (q_proj / q_b_proj), kv_b_proj
+(per-head up-projection) and o_proj split by heads, so each rank attends with H / tp heads;
+the latent path (kv_a_proj_with_mqa, kv_a_layernorm, q_a_proj) is replicated, so every rank
+caches the same `[latent | k_rope]` rows. MLPs and experts split along the intermediate
+dimension; embedding and LM head by vocabulary (`layers/parallel_linear.py`).
+
 `load_weights` takes HF names; routed experts come either per expert
 (`mlp.experts.{e}.gate_proj.weight`, as checkpoints store them) or stacked
 (`mlp.experts.gate_up_proj`, as transformers 5 holds them in memory).
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hiserve.distributed import get_tp_group, tp_all_reduce
 from hiserve.layers import triton_ops
 from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.mla import MLAAttention
@@ -34,6 +41,7 @@ from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.logits import LogitsProcessor
 from hiserve.layers.moe import RoutedExperts, select_experts
 from hiserve.layers.norms import RMSNorm
+from hiserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, ShardPart, VocabParallelEmbedding
 from hiserve.layers.rotary import compute_inv_freq
 from hiserve.models.model_config import ModelConfig
 
@@ -135,13 +143,31 @@ def softmax_scale(config: ModelConfig) -> float:
 
 
 # ------------------------------------------------------------------------ mlp
+def _column(in_features: int, parts: list[int], bias: bool, dtype: torch.dtype) -> nn.Module:
+    """nn.Linear at TP=1, else a ColumnParallelLinear splitting each part over the ranks."""
+    tp = get_tp_group().size
+    if tp == 1:
+        return nn.Linear(in_features, sum(parts), bias=bias, dtype=dtype)
+    return ColumnParallelLinear(in_features, [ShardPart(p, tp) for p in parts], bias, dtype)
+
+
+def _row(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, reduce: bool = True) -> nn.Module:
+    """nn.Linear at TP=1, else a RowParallelLinear (all-reduced unless `reduce` is False)."""
+    if get_tp_group().size == 1:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return RowParallelLinear(in_features, out_features, bias, dtype, reduce=reduce)
+
+
 class DeepseekV2MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype):
+    """SwiGLU MLP; under TP `reduce=False` leaves the partial sum to the caller (MoE)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype,
+                 reduce: bool = True):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu")
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = _column(hidden_size, [intermediate_size] * 2, False, dtype)
+        self.down_proj = _row(intermediate_size, hidden_size, False, dtype, reduce)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,8 +198,8 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = DeepseekV2MLP(
-                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act, dtype
-            )
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act, dtype,
+                reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -184,7 +210,7 @@ class DeepseekV2MoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return tp_all_reduce(out)  # one all-reduce for routed and shared partial sums (TP)
 
 
 # ------------------------------------------------------------------ attention
@@ -192,7 +218,7 @@ class DeepseekV2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         hidden, h = config.hidden_size, config.num_attention_heads
-        self.num_heads = h
+        self.num_heads = get_tp_group().shard(h, "attention heads")[1]  # this rank's heads
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -203,15 +229,14 @@ class DeepseekV2Attention(nn.Module):
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, dtype)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False, dtype=dtype)
+            self.q_b_proj = _column(self.q_lora_rank, [h * self.qk_head_dim], False, dtype)
         else:
-            self.q_proj = nn.Linear(hidden, h * self.qk_head_dim, bias=False, dtype=dtype)
+            self.q_proj = _column(hidden, [h * self.qk_head_dim], False, dtype)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False,
-                                   dtype=dtype)
-        self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bias, dtype=dtype)
-        self.attn = MLAAttention(h, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
+        self.kv_b_proj = _column(self.kv_lora_rank, [h * (self.qk_nope_head_dim + self.v_head_dim)], False, dtype)
+        self.o_proj = _row(h * self.v_head_dim, hidden, bias, dtype)
+        self.attn = MLAAttention(self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
                                  self.kv_lora_rank, softmax_scale(config), layer_id, self.kv_b_proj)
 
     def forward(self, x: torch.Tensor, cos_sin, rotary: DeepseekRotaryEmbedding,
@@ -246,7 +271,10 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
 class DeepseekV2Model(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        if get_tp_group().size > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
         )
@@ -280,9 +308,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Model(config, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
+        elif get_tp_group().size > 1:  # this rank's vocabulary block; logits all-gathered
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.logits_processor = LogitsProcessor()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -294,18 +324,21 @@ class DeepseekV2ForCausalLM(nn.Module):
         hidden_states = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head_weight, forward_batch)
 
-    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor]:
-        """HF tensor name -> (our parameter name, the slice of it the tensor fills)."""
+    def _destination(self, name: str, tensor: torch.Tensor,
+                     params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """HF tensor name -> (our parameter name, the slice of it the tensor fills, the part of
+        `tensor` that goes there: this rank's slice under TP, else all of it)."""
         m = _EXPERT_RE.match(name)
         if m:  # one expert of the stacked routed experts
             prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            experts = self.get_submodule(prefix)
+            s, n = experts.inter_start, experts.intermediate_size
             if proj == "down_proj":
                 target = f"{prefix}.down_proj"
-                return target, params[target].data[expert]
+                return target, params[target].data[expert], tensor.narrow(1, s, n)
             target = f"{prefix}.gate_up_proj"
             rows = params[target].data[expert]
-            half = rows.shape[0] // 2
-            return target, rows[:half] if proj == "gate_proj" else rows[half:]
+            return target, rows[:n] if proj == "gate_proj" else rows[n:], tensor.narrow(0, s, n)
         for frag, half in ((".gate_proj.", 0), (".up_proj.", 1)):  # dense / shared-expert MLP
             if frag in name:
                 target = name.replace(frag, ".gate_up_proj.")
@@ -313,10 +346,15 @@ class DeepseekV2ForCausalLM(nn.Module):
                     break
                 rows = params[target].data
                 size = rows.shape[0] // 2
-                return target, rows.narrow(0, half * size, size)
+                start = get_tp_group().shard(tensor.shape[0])[0] if get_tp_group().size > 1 else 0
+                return target, rows.narrow(0, half * size, size), tensor.narrow(0, start, size)
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-        return name, params[name].data
+        param = params[name]
+        full = getattr(param, "tp_full_shape", None)
+        if full is not None and tuple(tensor.shape) == tuple(full):
+            tensor = param.tp_shard(tensor.to(param.dtype))
+        return name, param.data, tensor
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -334,7 +372,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             m = _LAYER_RE.match(name)
             if m and int(m.group(1)) >= self.config.num_hidden_layers:
                 continue
-            target, dest = self._destination(name, params)
+            target, dest, tensor = self._destination(name, tensor, params)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
             dest.copy_(tensor)

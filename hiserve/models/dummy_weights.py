@@ -17,6 +17,9 @@ token (a random deep network is easily chaotic: tiny differences grow layer by l
   bounds how much a rounding difference can grow through 32 layers;
 - embeddings are standard normal; norm weights are ones; biases and routing correction
   biases are zeros.
+Under tensor parallelism a sharded parameter (`tp_full_shape`, `tp_shard`, set by
+`layers/parallel_linear.py`) is generated at its TP=1 shape with the same seed and sliced, so
+every rank holds exactly its slice of TP=1's weights and TP=2 outputs can be compared with TP=1's.
 Calibrated on the CPU with `benchmark/gpu/calibrate_dummy_tolerance.py` (a 32-layer model with
 the Llama-3-8B vocabulary; results in benchmark/results/gpu_serving_tolerance_calibration.json):
 a changed early context keeps the first greedy token of 1 prompt in 8, while float32 vs bf16
@@ -72,7 +75,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         data = param.data
-        std = dummy_std(name, tuple(data.shape))
+        full_shape = getattr(param, "tp_full_shape", None)
+        std = dummy_std(name, tuple(full_shape or data.shape))
         if std is None:
             data.fill_(1.0 if "norm" in _role(name) else 0.0)
             continue
@@ -80,4 +84,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if gen is None:
             gen = generators[data.device] = torch.Generator(device=data.device)
         gen.manual_seed(_param_seed(seed, name))
-        data.normal_(0.0, std, generator=gen)
+        if full_shape is None:
+            data.normal_(0.0, std, generator=gen)
+        else:  # TP: one TP=1-shaped tensor at a time, then this rank's slice of it
+            full = torch.empty(full_shape, dtype=data.dtype, device=data.device).normal_(0.0, std, generator=gen)
+            data.copy_(param.tp_shard(full))

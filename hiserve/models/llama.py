@@ -4,6 +4,12 @@ q/k/v share one Linear (`qkv_proj`) and gate/up share one (`gate_up_proj`), so e
 one GEMM; `load_weights` stacks the separate checkpoint tensors into them. With a
 `GGUFInt4Config` (`--quantization gguf`) a projection whose GGUF shards are all Q4_0/Q4_1
 is a `GGUFInt4Linear` (int4 weight-only GEMM, packed once at load) instead of an nn.Linear.
+
+Under tensor parallelism (`--tp-size` > 1, `layers/parallel_linear.py`) qkv and gate/up are
+column-parallel (each rank its heads: H / tp query heads, KV heads split or replicated when
+fewer than ranks), o_proj and down_proj row-parallel with an all-reduce, the embedding and
+the LM head vocabulary-parallel; checkpoint tensors are sliced as they load. The int4 GGUF
+path is TP=1 only (ServerArgs refuses it with more ranks).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from hiserve.distributed import get_tp_group
 from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.base import RadixAttention
 from hiserve.layers.decoder_layer import PreNormDecoderLayer
@@ -20,6 +27,14 @@ from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, pack_linear_layers
 from hiserve.layers.logits import LogitsProcessor
 from hiserve.layers.norms import RMSNorm
+from hiserve.layers.parallel_linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardPart,
+    VocabParallelEmbedding,
+    head_parts,
+    load_tp_weight,
+)
 from hiserve.layers.quantization import GGUFInt4Config, GGUFInt4Linear, GGUFQuantizedTensor, make_linear
 from hiserve.layers.rotary import RotaryEmbedding
 from hiserve.models.model_config import ModelConfig
@@ -29,6 +44,14 @@ def _names(prefix: str, parts: tuple[str, ...]) -> list[str]:
     return [f"{prefix}.{p}.weight" for p in parts]
 
 
+def _tp_size(quant_config: GGUFInt4Config | None) -> int:
+    """The TP size; raises ValueError for int4 GGUF layers with more than one rank."""
+    size = get_tp_group().size
+    if size > 1 and quant_config is not None:
+        raise ValueError("the GGUF int4 path is TP=1 only: use --quantization none with --tp-size > 1")
+    return size
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, quant_config: GGUFInt4Config | None = None,
                  prefix: str = ""):
@@ -36,10 +59,14 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only silu")
         inter, hidden = config.intermediate_size, config.hidden_size
-        # gate and up stacked: one GEMM for both (dense or int4).
-        self.gate_up_proj = make_linear(hidden, 2 * inter, False, dtype, quant_config,
-                                        _names(prefix, ("gate_proj", "up_proj")))
-        self.down_proj = make_linear(inter, hidden, False, dtype, quant_config, _names(prefix, ("down_proj",)))
+        tp = _tp_size(quant_config)
+        if tp > 1:
+            self.gate_up_proj = ColumnParallelLinear(hidden, [ShardPart(inter, tp)] * 2, False, dtype)
+            self.down_proj = RowParallelLinear(inter, hidden, False, dtype)
+        else:  # gate and up stacked: one GEMM for both (dense or int4).
+            self.gate_up_proj = make_linear(hidden, 2 * inter, False, dtype, quant_config,
+                                            _names(prefix, ("gate_proj", "up_proj")))
+            self.down_proj = make_linear(inter, hidden, False, dtype, quant_config, _names(prefix, ("down_proj",)))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,16 +77,23 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype,
                  quant_config: GGUFInt4Config | None = None, prefix: str = ""):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        # q, k and v stacked: one GEMM for all three (dense or int4).
-        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias,
-                                    dtype, quant_config, _names(prefix, ("q_proj", "k_proj", "v_proj")))
-        self.o_proj = make_linear(self.q_size, config.hidden_size, False, dtype, quant_config,
-                                  _names(prefix, ("o_proj",)))
+        tp = _tp_size(quant_config)
+        self.head_dim = d = config.head_dim
+        self.num_heads = get_tp_group().shard(config.num_attention_heads, "attention heads")[1]  # this rank's
+        kv_part = head_parts(config.num_key_value_heads, d, tp)
+        self.num_kv_heads = kv_part.full // kv_part.shards // d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        if tp > 1:
+            q_part = head_parts(config.num_attention_heads, d, tp)
+            self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part],
+                                                 config.attention_bias, dtype)
+            self.o_proj = RowParallelLinear(q_part.full, config.hidden_size, False, dtype)
+        else:  # q, k and v stacked: one GEMM for all three (dense or int4).
+            self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias,
+                                        dtype, quant_config, _names(prefix, ("q_proj", "k_proj", "v_proj")))
+            self.o_proj = make_linear(self.q_size, config.hidden_size, False, dtype, quant_config,
+                                      _names(prefix, ("o_proj",)))
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
@@ -97,7 +131,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, quant_config: GGUFInt4Config | None = None):
         super().__init__()
         # A gather over dequantized rows: exact, and cheaper than any quantized lookup.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        if _tp_size(quant_config) > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, quant_config)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -138,9 +175,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype, quant_config)
         if config.tie_word_embeddings:
             self.lm_head = None
+        elif _tp_size(quant_config) > 1:  # this rank's vocabulary block; logits all-gathered
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.logits_processor = LogitsProcessor()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
         self.packed_lm_head: PackedLinear | None = None
 
     @property
@@ -174,6 +213,25 @@ class LlamaForCausalLM(nn.Module):
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
 
+    def _load_dense(self, name: str, target: str, param: nn.Parameter, tensor: torch.Tensor, shard) -> int:
+        """Copy a dense checkpoint tensor (TP=1 shape) into `param`, or into its stacked
+        part `shard`; a parallel layer takes its rank's slice. Returns the rows written."""
+        if get_tp_group().size > 1:
+            module = self.get_submodule(target.rsplit(".", 1)[0])
+            part = {"q": 0, "k": 1, "v": 2}.get(shard, shard or 0)
+            try:
+                return load_tp_weight(module, param, tensor, part)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        dest = param.data
+        if shard is not None:
+            start, size = self._shard_range(shard, dest.shape[0])
+            dest = dest.narrow(0, start, size)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        return tensor.shape[0]
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFQuantizedTensor]]) -> None:
         """Load HF-named tensors (dense, or GGUF 4-bit blocks for `GGUFInt4Linear` layers);
@@ -203,14 +261,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[target]
-            dest = param.data
-            if shard is not None:
-                start, size = self._shard_range(shard, dest.shape[0])
-                dest = dest.narrow(0, start, size)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded[target] = loaded.get(target, 0) + tensor.shape[0]
+            loaded[target] = loaded.get(target, 0) + self._load_dense(name, target, param, tensor, shard)
         missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
         missing += [n for n, m in int4.items() if m.rows_loaded != m.out_features]
         if missing:

@@ -226,7 +226,7 @@ def server_state(base_url: str) -> dict[str, Any]:
 
 _SETTINGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend", "disable_cuda_graph",
              "cuda_graph_max_bs", "enable_hierarchical_cache", "hicache_mem_layout", "hicache_io_backend",
-             "hicache_ratio", "page_size", "dtype", "device", "load_format", "max_total_num_tokens")
+             "hicache_ratio", "page_size", "dtype", "device", "load_format", "max_total_num_tokens", "tp_size")
 
 
 def server_settings(base_url: str) -> dict[str, Any]:

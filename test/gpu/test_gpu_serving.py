@@ -27,7 +27,10 @@ Rationale and calibration: see the constants.
 A summary is printed (`-s` shows it) and written to $HISERVE_RESULTS_DIR/gpu_serving_<name>.json
 when that variable is set. Environment: HISERVE_GPU_SERVER_EXTRA (flags for every GPU
 server, default "--cuda-graph-max-bs 16"), HISERVE_GPU_REFERENCE_EXTRA (flags for the
-torch_native server, default "--disable-cuda-graph").
+torch_native server, default "--disable-cuda-graph"), HISERVE_GPU_REFERENCE_BACKEND (server C's
+backend, default torch_native; the TP=2 session compares with TP=1 on the same backend through
+it and "--tp-size 1" in HISERVE_GPU_REFERENCE_EXTRA); for the CPU scenarios HISERVE_CPU_SERVER_EXTRA
+and HISERVE_CPU_REFERENCE_EXTRA (e.g. "--tp-size 2" / "--tp-size 1").
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ def make_scenario(name: str, folder: str) -> Scenario:
                         small_pool_tokens=512, big_pool_tokens=4096, hicache_ratio=8,
                         stress=Workload(**CPU_STRESS, vocab_size=vocab),
                         identity=Workload(**CPU_IDENTITY, vocab_size=vocab), concurrency=4,
-                        extra_args=["--device", "cpu", *(["--enable-overlap-schedule"] if "overlap" in name else [])])
+                        extra_args=["--device", "cpu", *(["--enable-overlap-schedule"] if "overlap" in name else []),
+                                    *shlex.split(os.environ.get("HISERVE_CPU_SERVER_EXTRA", ""))],
+                        reference_extra_args=shlex.split(os.environ.get("HISERVE_CPU_REFERENCE_EXTRA", "")))
     path = write_dummy_model(folder, name)
     vocab = hf_config(name)["vocab_size"]
     if name == "deepseek-mla":
@@ -104,6 +109,7 @@ def make_scenario(name: str, folder: str) -> Scenario:
                     stress=Workload(**GPU_STRESS, vocab_size=vocab),
                     identity=Workload(**GPU_IDENTITY, vocab_size=vocab),
                     reference=Workload(**GPU_REFERENCE, vocab_size=vocab), concurrency=16,
+                    reference_backend=os.environ.get("HISERVE_GPU_REFERENCE_BACKEND", "torch_native"),
                     extra_args=["--device", "cuda",
                                 *shlex.split(os.environ.get("HISERVE_GPU_SERVER_EXTRA", "--cuda-graph-max-bs 16"))],
                     reference_extra_args=shlex.split(os.environ.get("HISERVE_GPU_REFERENCE_EXTRA",
