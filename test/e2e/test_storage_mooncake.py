@@ -1,0 +1,212 @@
+"""The `mooncake` storage tier end to end: two servers share one Mooncake Store.
+
+A real `mooncake_master` (loopback ports, HTTP metadata server; `test/unit/mooncake_fixture.py`)
+and two hiserve servers A and B (float32, greedy, hierarchical cache, `--hicache-storage-backend
+mooncake` pointed at it, each lending a small `global_segment_size` to the store,
+`--hicache-storage-prefetch-policy wait_complete` so a storage hit is never cut short by a slow
+machine, `--enable-cache-integrity-check`, `--enable-metrics`). One module, three phases, in order:
+
+1. Shared prefixes: conversations run on A (written through to the store; A's /flush_cache waits
+   for its storage worker), then the same conversations on B: every turn reports
+   `cached_tokens_details.storage` > 0 (pages A computed, read over TCP from the segment they were
+   placed in) and B's greedy outputs equal A's.
+2. Master killed mid-run: both caches flushed, the same conversations run on A and B at once and
+   the master is SIGKILLed after the first replies. Every request still succeeds with A's outputs
+   (after the kill nothing comes from the store: a recompute), and each server counts
+   `sglang:storage_failures_total{reason="unavailable"}` and reports the store disconnected.
+3. Master restarted on the same ports (empty): both clients reconnect by themselves, and new
+   conversations computed on A are storage hits on B again, with identical outputs.
+
+Skipped only when the Mooncake wheel or its system library (libibverbs1) is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from server import kill, popen_launch_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from mooncake_fixture import MooncakeMaster, mooncake_unavailable  # noqa: E402
+
+SKIP = mooncake_unavailable()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+PAGE_SIZE = 16
+NUM_CONVERSATIONS = 2
+NUM_ROUNDS = 3
+QUESTION_TOKENS = 64
+OUTPUT_TOKENS = 6
+SEGMENT_BYTES = 96 * 1024**2  # each replica lends this much to the store (pages are ~23 KB/token)
+RECONNECT_TIMEOUT_S = 60.0
+KILL_AT = 3  # phase 2: the master dies before the 4th of the 12 requests
+
+
+def replica_args(master: MooncakeMaster) -> list:
+    extra = master.extra_config(global_segment_size=SEGMENT_BYTES, prefetch_threshold=PAGE_SIZE,
+                                connect_retry_interval=0.5)
+    return ["--max-total-tokens", 1024, "--page-size", PAGE_SIZE, "--enable-hierarchical-cache",
+            "--hicache-ratio", 2, "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-backend-extra-config", json.dumps(extra),
+            "--enable-cache-integrity-check", "--enable-metrics"]
+
+
+def question(seed: int, conv: int, rnd: int) -> list[int]:
+    return np.random.default_rng([seed, conv, rnd]).integers(1000, 30000, size=QUESTION_TOKENS).tolist()
+
+
+def generate(client: httpx.Client, ids: list[int]) -> dict:
+    r = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def conversations(url: str, seed: int, before_request=None) -> list[list[dict]]:
+    """Round-robin over the conversations, one request at a time; results[conv][round] =
+    {output_ids, meta_info, order} (`order`: what `before_request()` returned before it was sent)."""
+    history: list[list[int]] = [[] for _ in range(NUM_CONVERSATIONS)]
+    results: list[list[dict]] = [[] for _ in range(NUM_CONVERSATIONS)]
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for rnd in range(NUM_ROUNDS):
+            for conv in range(NUM_CONVERSATIONS):
+                ids = history[conv] + question(seed, conv, rnd)
+                order = before_request() if before_request else 0
+                out = generate(client, ids)
+                history[conv] = ids + out["output_ids"]
+                results[conv].append({"output_ids": out["output_ids"], "meta_info": out["meta_info"],
+                                      "order": order})
+    return results
+
+
+def flush(url: str) -> None:
+    """/flush_cache: empties device and host pools after the storage worker is idle."""
+    r = httpx.post(url + "/flush_cache", timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def storage_state(url: str) -> dict:
+    return httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]["storage"]
+
+
+def failures(url: str) -> dict[str, float]:
+    """sglang:storage_failures_total by reason."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("sglang:storage_failures_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('reason="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def outputs(results: list[list[dict]]) -> list[list[list[int]]]:
+    return [[r["output_ids"] for r in conv] for conv in results]
+
+
+def storage_tokens(results: list[list[dict]]) -> list[list[int]]:
+    return [[r["meta_info"]["cached_tokens_details"]["storage"] for r in conv] for conv in results]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    master = MooncakeMaster().start()
+    started = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(popen_launch_server, replica_args(master)) for _ in range(2)]
+            for f in futures:
+                started.append(f.result())
+        yield master, [url for _, url in started]
+    finally:
+        for proc, _ in started:
+            kill(proc)
+        master.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_run(cluster) -> dict:
+    """Phase 1: the conversations on A, A flushed (its backups done), then on B."""
+    _, (a, b) = cluster
+    for url in (a, b):
+        state = storage_state(url)
+        assert state["backend"] == "mooncake" and state["connected"], state
+    on_a = conversations(a, seed=1)
+    flush(a)
+    on_b = conversations(b, seed=1)
+    return {"a": on_a, "b": on_b, "state_a": storage_state(a), "state_b": storage_state(b)}
+
+
+def test_prefixes_computed_on_a_are_storage_hits_on_b(shared_run):
+    assert outputs(shared_run["b"]) == outputs(shared_run["a"])
+    assert all(s == 0 for conv in storage_tokens(shared_run["a"]) for s in conv)
+    for conv, hits in enumerate(storage_tokens(shared_run["b"])):
+        # Round 1: A stored the question's full pages (the last prompt token is never matched);
+        # later rounds: the pages past what B's own tree holds (A's previous output + question).
+        assert hits[0] >= QUESTION_TOKENS - PAGE_SIZE, (conv, hits)
+        assert all(h >= QUESTION_TOKENS - 2 * PAGE_SIZE for h in hits[1:]), (conv, hits)
+    for conv in shared_run["b"]:
+        for r in conv:
+            m, d = r["meta_info"], r["meta_info"]["cached_tokens_details"]
+            assert m["cached_tokens"] == d["device"] + d["host"] + d["storage"]
+    assert shared_run["state_a"]["backuped_tokens_total"] > 0 and shared_run["state_a"]["pages_written"] > 0
+    assert shared_run["state_b"]["pages_read"] > 0 and not shared_run["state_b"]["failures"]
+
+
+def test_master_killed_mid_run_requests_recompute(cluster, shared_run):
+    master, (a, b) = cluster
+    for url in (a, b):
+        flush(url)
+    sent = 0
+    lock = threading.Lock()
+    killed = threading.Event()
+
+    def before_request() -> int:
+        """Number the requests of both servers; kill the master before the KILL_AT-th (by
+        then at least one has been answered: each server sends one request at a time)."""
+        nonlocal sent
+        with lock:
+            if sent == KILL_AT:
+                master.kill()
+                killed.set()
+            sent += 1
+            return sent - 1
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda url: conversations(url, seed=1, before_request=before_request), (a, b)))
+    assert killed.is_set()
+    want = outputs(shared_run["a"])
+    for url, results in zip((a, b), runs):
+        assert outputs(results) == want, url  # the same greedy tokens, stored prefix or not
+        late = [r for conv in results for r in conv if r["order"] >= KILL_AT]
+        assert late and all(r["meta_info"]["cached_tokens_details"]["storage"] == 0 for r in late)
+        state = storage_state(url)
+        assert not state["connected"], state
+        assert failures(url).get("unavailable", 0) > 0, failures(url)
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_master_restarted_storage_hits_resume(cluster, shared_run):
+    master, (a, b) = cluster
+    if master.proc is None or master.proc.poll() is None:
+        master.kill()  # runs alone: the restart below is what this test checks
+    master.start()
+    deadline = time.monotonic() + RECONNECT_TIMEOUT_S
+    while not all(storage_state(url)["connected"] for url in (a, b)):
+        assert time.monotonic() < deadline, [storage_state(url) for url in (a, b)]
+        time.sleep(0.5)
+    on_a = conversations(a, seed=2)  # new prefixes: the restarted master is empty
+    flush(a)
+    on_b = conversations(b, seed=2)
+    assert outputs(on_b) == outputs(on_a)
+    for conv, hits in enumerate(storage_tokens(on_b)):
+        assert all(h >= QUESTION_TOKENS - 2 * PAGE_SIZE for h in hits), (conv, hits)
