@@ -22,6 +22,7 @@ Skipped only when the Mooncake wheel or its system library (libibverbs1) is miss
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import threading
@@ -210,3 +211,92 @@ def test_master_restarted_storage_hits_resume(cluster, shared_run):
     assert outputs(on_b) == outputs(on_a)
     for conv, hits in enumerate(storage_tokens(on_b)):
         assert all(h >= QUESTION_TOKENS - 2 * PAGE_SIZE for h in hits), (conv, hits)
+
+
+# ---------------------------------------------------------------- behind sglang-router (issue item 8)
+
+
+@pytest.fixture(scope="module")
+def router(cluster):
+    """sglang-router (cache_aware) in front of A and B (they share the store)."""
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed (pip install '.[test]')")
+    from test_router import start_router
+
+    _, replicas = cluster
+    proc, url = start_router(replicas)
+    yield url
+    kill(proc)
+
+
+def requests_served(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_requests_total{"))
+
+
+def router_workers(router_url: str) -> list[dict]:
+    return httpx.get(router_url + "/workers", timeout=30).json()["workers"]
+
+
+def set_router_workers(router_url: str, urls: list[str]) -> None:
+    """Make the router's worker list exactly `urls` (its worker API: DELETE /workers/{id},
+    POST /workers {"url"}) and wait until it lists them, healthy."""
+    for w in router_workers(router_url):
+        if w["url"] not in urls:
+            r = httpx.delete(f"{router_url}/workers/{w['id']}", timeout=30)
+            assert r.status_code < 300, r.text
+    for url in urls:
+        if url not in [w["url"] for w in router_workers(router_url)]:
+            r = httpx.post(router_url + "/workers", json={"url": url}, timeout=30)
+            assert r.status_code < 300, r.text
+    deadline = time.monotonic() + 60
+    while True:
+        workers = router_workers(router_url)
+        if sorted(w["url"] for w in workers) == sorted(urls) and all(w["is_healthy"] for w in workers):
+            return
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
+
+
+def test_router_multiturn_outputs_identical(cluster, router):
+    """Conversations through the router (cache_aware, both replicas, input_ids on /generate)
+    give the greedy outputs each replica computes alone; every request reaches a replica."""
+    _, (a, b) = cluster
+    before = requests_served(a) + requests_served(b)
+    routed = conversations(router, seed=3)
+    assert requests_served(a) + requests_served(b) - before == NUM_CONVERSATIONS * NUM_ROUNDS
+    assert outputs(conversations(a, seed=3)) == outputs(routed)
+    assert outputs(conversations(b, seed=3)) == outputs(routed)
+
+
+def test_router_next_turn_on_other_replica_hits_storage(cluster, router):
+    """Turn 1 of a conversation is routed while A is the router's only worker; A's pages are
+    written through (A's /flush_cache waits for that); then A leaves the router's pool (as a
+    drained or scaled-in replica does) and B joins, so turn 2 is routed to B, deterministically
+    (cache_aware has one candidate; no reliance on its tie-breaking): B reports the prefix A
+    computed as storage hits, and its output equals a recompute on A."""
+    _, (a, b) = cluster
+    turn1 = question(4, 0, 0)
+    try:
+        set_router_workers(router, [a])
+        served = requests_served(a), requests_served(b)
+        with httpx.Client(base_url=router, timeout=300) as client:
+            first = generate(client, turn1)
+        assert (requests_served(a) - served[0], requests_served(b) - served[1]) == (1, 0)
+        flush(a)
+        set_router_workers(router, [b])
+        turn2 = turn1 + first["output_ids"] + question(4, 0, 1)
+        served = requests_served(a), requests_served(b)
+        with httpx.Client(base_url=router, timeout=300) as client:
+            second = generate(client, turn2)
+        assert (requests_served(a) - served[0], requests_served(b) - served[1]) == (0, 1)
+    finally:
+        set_router_workers(router, [a, b])
+    details = second["meta_info"]["cached_tokens_details"]
+    # A stored the full pages of turn 1's prompt and output; B held none of it.
+    assert details["storage"] >= (len(turn1) + OUTPUT_TOKENS) // PAGE_SIZE * PAGE_SIZE - PAGE_SIZE, details
+    assert details["device"] == details["host"] == 0, details
+    flush(a)
+    with httpx.Client(base_url=a, timeout=300) as client:
+        assert generate(client, turn2)["output_ids"] == second["output_ids"]
