@@ -17,6 +17,13 @@ machine, `--enable-cache-integrity-check`, `--enable-metrics`). One module, thre
 3. Master restarted on the same ports (empty): both clients reconnect by themselves, and new
    conversations computed on A are storage hits on B again, with identical outputs.
 
+Then behind sglang-router (cache_aware, the PyPI package unmodified) in front of A and B:
+multi-turn conversations through it give the outputs each replica computes alone, and a
+conversation whose first turn A computed continues on B with its prefix from the store. That
+move is forced deterministically with the router's worker API: turn 1 is routed while A is the
+router's only worker, then A leaves the pool (as a drained or scaled-in replica would) and B
+joins, so cache_aware has exactly one candidate for turn 2 (no reliance on its tie-breaking).
+
 Skipped only when the Mooncake wheel or its system library (libibverbs1) is missing.
 """
 
