@@ -13,6 +13,8 @@
 #   PYTHON [.venv/bin/python]  DTYPE [bfloat16]  MAX_TOTAL_TOKENS [1024]  HICACHE_RATIO [2]
 #   PAGE_SIZE [16]  CLIENTS [12]  ROUNDS [5]  REQUEST_LEN [144]  OUTPUT_LEN [16]  MAX_PARALLEL [4]
 #   SEED [1]  SEGMENT [512mb] (memory each replica lends the store)  PREFETCH_THRESHOLD [64]
+#   REPLICA_THREADS [1] (each replica's OMP_NUM_THREADS; more threads than cores makes OpenMP
+#   spin-wait against the other replica and the storage worker)
 #   NOTE (free text stored in the _ab JSON)  LOG_DIR [a new /tmp/scaleout_ab.* dir]
 # The working set (CLIENTS*ROUNDS*(REQUEST_LEN+OUTPUT_LEN) tokens) should be >= 3x one
 # replica's device + host pools (MAX_TOTAL_TOKENS*(1+HICACHE_RATIO)) and fit 2*SEGMENT.
@@ -23,6 +25,7 @@ prefix=${1:-scaleout_multiturn}
 py=${PYTHON:-.venv/bin/python}
 pool=${MAX_TOTAL_TOKENS:-1024}
 ratio=${HICACHE_RATIO:-2}
+threads=${REPLICA_THREADS:-1}  # compute threads per replica: two replicas share the machine's cores
 out=benchmark/results
 logs=${LOG_DIR:-$(mktemp -d /tmp/scaleout_ab.XXXXXX)}
 mkdir -p "$out" "$logs"
@@ -69,7 +72,7 @@ run_one() {
     local urls=() port rport
     for i in 1 2; do
         port=$(free_port)
-        start "$logs/${prefix}_${label}_replica$i.log" "$py" -m hiserve.launch_server "${replica_common[@]}" --port "$port" "$@"
+        start "$logs/${prefix}_${label}_replica$i.log" env OMP_NUM_THREADS="$threads" "$py" -m hiserve.launch_server "${replica_common[@]}" --port "$port" "$@"
         urls+=("http://127.0.0.1:$port")
     done
     for i in 0 1; do wait_url "${urls[$i]}/health" "${pids[-2 + i]}" "$logs/${prefix}_${label}_replica$((i + 1)).log"; done
