@@ -181,7 +181,7 @@ class ServerArgs:
         None, "JSON object (or @path to a JSON file) with SGLang's keys: file_storage_path, "
         "storage_size_cap_gb (file); master_server_address, metadata_server, protocol, "
         "global_segment_size, local_hostname (mooncake); prefetch_threshold (tokens, 256), "
-        "prefetch_timeout_base (s, 1.0), prefetch_timeout_per_ki_token (s, 0.25), storage_op_timeout (s).")
+        "prefetch_timeout_base (s, 1.0), prefetch_timeout_per_ki_token (s, 0.25).")
 
     # Debugging
     enable_cache_integrity_check: bool = _arg(

@@ -17,10 +17,10 @@ capped by `--max-parallel` requests in flight. Greedy decoding, `ignore_eos`,
 
 `--api-format native` (default) streams POST /generate with `input_ids` (the conversation's
 token ids: previous prompt ids + output_ids + new question ids) and reads
-`meta_info.prompt_tokens`, `cached_tokens` and `cached_tokens_details` {device, host} from
+`meta_info.prompt_tokens`, `cached_tokens` and `cached_tokens_details` {device, host, storage} from
 the first chunk and the cumulative `output_ids` from the last one. `--api-format openai`
 streams /v1/chat/completions with the conversation as messages (cached tokens from
-`usage.prompt_tokens_details`, no device/host split, the answer's text instead of ids).
+`usage.prompt_tokens_details`, no device/host/storage split, the answer's text instead of ids).
 
 TTFT = time to the first chunk carrying output tokens. Every request's output is stored in
 the JSON, so `--compare` can tell whether two runs produced identical outputs.
@@ -50,6 +50,7 @@ for p in (REPO_ROOT, REPO_ROOT / "benchmark"):
         sys.path.insert(0, str(p))
 
 from bench_serving import PromptMaker, load_tokenizer, machine_info, summarize  # noqa: E402
+from hicache.multiturn_compare import compare, format_compare  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmark" / "results"
 
@@ -71,6 +72,7 @@ class RequestRecord:
     cached_tokens: int = 0
     cached_device: Optional[int] = None
     cached_host: Optional[int] = None
+    cached_storage: Optional[int] = None  # tokens read from the storage tier (L3)
     output_ids: Optional[list[int]] = None
     output_text: Optional[str] = None
 
@@ -181,6 +183,7 @@ async def send_round(client: httpx.AsyncClient, conv: Conversation, t0: float) -
         rec.cached_tokens = int(first_meta.get("cached_tokens", meta.get("cached_tokens", 0)) or 0)
         rec.cached_device = details.get("device")
         rec.cached_host = details.get("host")
+        rec.cached_storage = details.get("storage")
     else:
         usage = last["usage"]
         rec.output_text = "".join(text_parts)
@@ -249,6 +252,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, num_rounds: i
     cached = sum(r.cached_tokens for r in ok)
     dev = [r.cached_device for r in ok if r.cached_device is not None]
     host = [r.cached_host for r in ok if r.cached_host is not None]
+    storage = [r.cached_storage for r in ok if r.cached_storage is not None]
     m: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -262,6 +266,8 @@ def compute_metrics(records: list[RequestRecord], duration: float, num_rounds: i
         "cached_tokens_device": sum(dev) if dev else None,
         "cached_tokens_host": sum(host) if host else None,
         "requests_with_host_hits": sum(1 for h in host if h > 0) if host else None,
+        "cached_tokens_storage": sum(storage) if storage else None,
+        "requests_with_storage_hits": sum(1 for s in storage if s > 0) if storage else None,
         "cache_hit_rate": cached / total_in if total_in else None,
     }
     for name, values in (("ttft", [r.ttft for r in ok]), ("e2e_latency", [r.latency for r in ok])):
@@ -277,6 +283,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, num_rounds: i
             "mean_prompt_tokens": prompt / len(rs) if rs else None,
             "cache_hit_rate": sum(r.cached_tokens for r in rs) / prompt if prompt else None,
             "cached_host": sum(r.cached_host or 0 for r in rs),
+            "cached_storage": sum(r.cached_storage or 0 for r in rs),
         })
     m["per_round"] = per_round
     m["errors"] = sorted({r.error for r in records if not r.success})[:10]
@@ -299,6 +306,7 @@ def format_result(m: dict[str, Any], label: str) -> str:
         ("Total cached tokens", str(m["total_cached_tokens"])),
         ("  of which device", num(m["cached_tokens_device"], "{}")),
         ("  of which host", num(m["cached_tokens_host"], "{}")),
+        ("  of which storage", num(m.get("cached_tokens_storage"), "{}")),
         ("Cache hit rate", num(m["cache_hit_rate"], "{:.3f}")),
         (None, "Time to First Token"),
         *[(f"{s.capitalize()} TTFT (ms)", num(m[f"{s}_ttft_ms"])) for s in ("mean", "median", "p90", "p99")],
@@ -364,76 +372,6 @@ def server_snapshot(c: httpx.Client) -> dict[str, Any]:
     except httpx.HTTPError:
         pass
     return snap
-
-
-# ------------------------------------------------------------------ compare
-
-
-def compare(path_a: str, path_b: str) -> dict[str, Any]:
-    """A = baseline (without HiCache), B = candidate (with): TTFT ratio and output identity."""
-    a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
-    ra = {(r["client"], r["round"]): r for r in a["requests"]}
-    rb = {(r["client"], r["round"]): r for r in b["requests"]}
-    keys = sorted(set(ra) | set(rb))
-    out_key = "output_ids" if a["args"]["api_format"] == "native" else "output_text"
-    same = [k for k in keys if k in ra and k in rb and ra[k]["success"] and rb[k]["success"]
-            and ra[k][out_key] == rb[k][out_key]]
-    diff = [k for k in keys if k not in same]
-    first_div: dict[int, int] = {}
-    for c, rnd in diff:
-        first_div[c] = min(first_div.get(c, rnd), rnd)
-    ma, mb = a["metrics"], b["metrics"]
-    ratio = mb["mean_ttft_ms"] / ma["mean_ttft_ms"] if ma["mean_ttft_ms"] else None
-    result = {
-        "a": {"file": path_a, "label": a.get("label")}, "b": {"file": path_b, "label": b.get("label")},
-        "mean_ttft_ms": {"a": ma["mean_ttft_ms"], "b": mb["mean_ttft_ms"]},
-        "median_ttft_ms": {"a": ma["median_ttft_ms"], "b": mb["median_ttft_ms"]},
-        "p90_ttft_ms": {"a": ma["p90_ttft_ms"], "b": mb["p90_ttft_ms"]},
-        "mean_e2e_latency_ms": {"a": ma["mean_e2e_latency_ms"], "b": mb["mean_e2e_latency_ms"]},
-        "duration_s": {"a": ma["duration_s"], "b": mb["duration_s"]},
-        "request_throughput": {"a": ma["request_throughput"], "b": mb["request_throughput"]},
-        "ttft_ratio_b_over_a": ratio,
-        "cache_hit_rate": {"a": ma["cache_hit_rate"], "b": mb["cache_hit_rate"]},
-        "cached_tokens_device": {"a": ma["cached_tokens_device"], "b": mb["cached_tokens_device"]},
-        "cached_tokens_host": {"a": ma["cached_tokens_host"], "b": mb["cached_tokens_host"]},
-        "per_round_mean_ttft_ms": [
-            {"round": x["round"], "a": x["mean_ttft_ms"], "b": y["mean_ttft_ms"]}
-            for x, y in zip(ma["per_round"], mb["per_round"])],
-        "requests": len(keys),
-        "identical_outputs": len(same),
-        "all_outputs_identical": not diff,
-        "first_divergent_round_per_client": {str(c): r + 1 for c, r in sorted(first_div.items())},
-        "machine": a.get("machine"), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    return result
-
-
-def format_compare(c: dict[str, Any]) -> str:
-    def num(v, fmt="{:.1f}"):
-        return "n/a" if v is None else fmt.format(v)
-
-    la, lb = c["a"]["label"] or "A", c["b"]["label"] or "B"
-    w = max(12, len(la), len(lb)) + 2
-    lines = [f"{'':<34}{la:>{w}}{lb:>{w}}"]
-    for title, key, fmt in (("mean TTFT (ms)", "mean_ttft_ms", "{:.1f}"),
-                            ("median TTFT (ms)", "median_ttft_ms", "{:.1f}"),
-                            ("p90 TTFT (ms)", "p90_ttft_ms", "{:.1f}"),
-                            ("mean E2E latency (ms)", "mean_e2e_latency_ms", "{:.1f}"),
-                            ("duration (s)", "duration_s", "{:.1f}"),
-                            ("request throughput (req/s)", "request_throughput", "{:.3f}"),
-                            ("cache hit rate", "cache_hit_rate", "{:.3f}"),
-                            ("cached tokens device", "cached_tokens_device", "{}"),
-                            ("cached tokens host", "cached_tokens_host", "{}")):
-        lines.append(f"{title:<34}{num(c[key]['a'], fmt):>{w}}{num(c[key]['b'], fmt):>{w}}")
-    for r in c["per_round_mean_ttft_ms"]:
-        lines.append(f"{'  round ' + str(r['round']) + ' mean TTFT (ms)':<34}"
-                     f"{num(r['a']):>{w}}{num(r['b']):>{w}}")
-    lines.append(f"{'TTFT ratio ' + lb + '/' + la:<34}{num(c['ttft_ratio_b_over_a'], '{:.3f}'):>{w}}")
-    lines.append(f"{'identical outputs':<34}{str(c['identical_outputs']) + '/' + str(c['requests']):>{w}}"
-                 f"  ({'all identical' if c['all_outputs_identical'] else 'NOT all identical'})")
-    if c["first_divergent_round_per_client"]:
-        lines.append(f"first divergent round per client: {c['first_divergent_round_per_client']}")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ main

@@ -94,3 +94,22 @@ def test_cli_spelling_and_choices(llama, capsys):
     assert "--enable-hierarchical-cache" in capsys.readouterr().err
     assert {f.name for f in dataclasses.fields(ServerArgs)} >= {
         "hicache_storage_backend", "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config"}
+
+
+def test_extra_config_keys_in_help_are_read():
+    """Every key --help names for --hicache-storage-backend-extra-config is one some code reads
+    (the help once named a storage_op_timeout nothing implemented)."""
+    import re
+    from pathlib import Path
+
+    import hiserve.mem_cache.storage as storage_pkg
+    import hiserve.mem_cache.storage_controller as controller
+
+    help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(ServerArgs)}[
+        "hicache_storage_backend_extra_config"]
+    keys = set(re.findall(r"\b([a-z]+(?:_[a-z]+)+)\b", help_text))
+    assert {"file_storage_path", "master_server_address", "prefetch_threshold"} <= keys
+    sources = [Path(controller.__file__).read_text()]
+    sources += [p.read_text() for p in Path(storage_pkg.__file__).parent.glob("*.py")]
+    unread = sorted(k for k in keys if not any(f'"{k}"' in s or f"{k}:" in s for s in sources))
+    assert not unread, f"--help names extra-config keys nothing reads: {unread}"
