@@ -101,7 +101,8 @@ class KVHierarchy:
         """Stop the storage worker (after its queued ops, unless `run_queued` is False: a
         process exit) and release the host pool's registered memory (CUDA); idempotent."""
         if self.storage is not None:
-            self.storage.close(run_queued=run_queued, timeout=60.0 if run_queued else 3.0)
+            if not self.storage.close(run_queued=run_queued, timeout=60.0 if run_queued else 3.0):
+                return  # a transfer may still use the host pool: leave it to the process exit
         if self.host_pool is not None:
             self.host_pool.close()
 

@@ -322,7 +322,8 @@ class HiRadixCache(HiRadixStorageMixin, RadixCache):
             self._evictable_size -= len(slots)
             num_evicted += len(slots)
             write = self._writing.get(node.id)
-            if write is not None and not write[1].done():
+            # agreed across TP ranks: every rank must free (or pend) the same slots
+            if write is not None and not agreed_done([write[1]])[0]:
                 self._pending.append((write[1], slots))
                 self._pending_tokens += len(slots)
             else:

@@ -208,8 +208,11 @@ class StorageController:
                 self._tasks.all_tasks_done.wait(left)
         return True
 
-    def close(self, run_queued: bool = True, timeout: float = 60.0) -> None:
-        """Stop the worker, then close the backend (idempotent).
+    def close(self, run_queued: bool = True, timeout: float = 60.0) -> bool:
+        """Stop the worker, then close the backend (idempotent). Returns False when the worker
+        is still inside a backend call after `timeout`: then the backend is left open (closing
+        it would unregister memory a transfer may still be reading or writing) and the
+        caller must not free the host pool either.
 
         Args:
             run_queued: finish the ops already queued first; False (process exit) skips
@@ -218,12 +221,17 @@ class StorageController:
             timeout: seconds to wait for the worker (it is a daemon thread either way).
         """
         if self._closed:
-            return
+            return not self._thread.is_alive()
         self._closed = True
         self._skip_queued = not run_queued
         self._tasks.put(None)
         self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            logger.warning("storage worker still inside a backend call after %.0f s: leaving the "
+                           "backend and the host pool open for the process exit", timeout)
+            return False
         self.backend.close()
+        return True
 
     # ------------------------------------------------------------------ worker thread
 

@@ -12,7 +12,7 @@ cache_aware`, then checks that:
   * every routed request is served by one of the replicas (their sglang:num_requests_total
     grows by exactly the requests sent), and the router's own load report (/get_loads) is
     built from the replicas' /get_load.
-Replicas without a shared storage tier here; test_storage_mooncake.py puts the router in
+Replicas without a shared storage tier here; test_storage_mooncake_replicas.py puts the router in
 front of two replicas sharing one Mooncake Store (it reuses `start_router`). Skipped only when
 sglang-router is not installed.
 """

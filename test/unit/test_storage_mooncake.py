@@ -121,6 +121,32 @@ def test_set_then_get_is_byte_equal(stores, kind):
 
 
 @needs_mooncake
+def test_set_reports_leading_pages_when_a_middle_put_fails(stores):
+    """A put that fails for page 2 of 5 (e.g. the store is full): pages 3-4 may be written,
+    but only pages 0-1 count as stored, since the caller marks exactly the leading pages."""
+    host = host_pool("MHA", seed=5)
+    ns = namespace(host)
+    store = stores(host, ns)
+    keys = page_keys(tokens(5, seed=6), PAGE, ns)
+    real, n = store._store, len(store.kinds)
+
+    class FailPage2:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_put_from(self, names, ptrs, sizes):
+            codes = real.batch_put_from(names, ptrs, sizes)
+            return [-200 if names[i].startswith(keys[2]) else c for i, c in enumerate(codes)]
+
+    store._store = FailPage2()
+    try:
+        assert store.batch_set_from(keys, [0, 1, 2, 3, 4]) == 2
+    finally:
+        store._store = real
+    assert store.stats().failures["no_space"] >= 1
+
+
+@needs_mooncake
 def test_exists_counts_leading_pages_and_get_stops_at_a_gap(stores):
     host = host_pool("MHA", seed=3)
     ns = namespace(host)

@@ -104,8 +104,9 @@ class HiCacheStorage(ABC):
 
     @abstractmethod
     def batch_set_from(self, keys: list[str], host_pages: list[int]) -> int:
-        """Write host page `host_pages[i]` under `keys[i]` (every kind). Returns pages stored
-        (written now or already present)."""
+        """Write host page `host_pages[i]` under `keys[i]` (every kind). Returns the leading
+        pages stored (written now or already present; a page after one that failed does not
+        count, even if it was written: the caller marks exactly `pages[:n]` as stored)."""
 
     @abstractmethod
     def clear(self) -> None:

@@ -400,7 +400,8 @@ class MooncakeStore(HiCacheStorage):
 
     def batch_set_from(self, keys: list[str], host_pages: list[int]) -> int:
         """Write host pages `host_pages` under `keys` (every kind), skipping objects the store
-        already has. Returns pages stored (written now or already present).
+        already has. Returns the leading pages stored (written now or already present): the
+        caller marks exactly those as in storage, so a page after a failed one does not count.
 
         Raises:
             ValueError: `len(keys) != len(host_pages)` or a host page out of range.
@@ -435,7 +436,7 @@ class MooncakeStore(HiCacheStorage):
         skipped = sum(all(present[p * n + k] == 1 for k in range(n)) for p in range(len(keys)))
         self._count(pages_written=sum(whole) - skipped, pages_skipped=skipped, bytes_written=written_bytes,
                     write_seconds=time.perf_counter() - start)
-        return sum(whole)
+        return self._leading(stored)
 
     def clear(self) -> None:
         """Remove this namespace's objects (`remove_by_regex("^<namespace>/")`; Mooncake's
