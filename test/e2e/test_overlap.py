@@ -29,7 +29,7 @@ from hiserve.engine.sampling_params import SamplingParams
 from hiserve.engine.scheduler import Scheduler
 from hiserve.server_args import ServerArgs
 
-SERVER_ARGS = ["--enable-overlap-schedule", "--max-total-tokens", "8192"]
+SERVER_ARGS = ["--enable-overlap-schedule", "--max-total-tokens", "8192", "--enable-metrics", "--enable-cache-report"]
 MAX_NEW = [1, 2, 5, 9, 16, 23, 3, 12, 1, 30, 7, 18]
 
 
