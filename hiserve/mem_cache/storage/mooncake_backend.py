@@ -372,6 +372,21 @@ class MooncakeStore(HiCacheStorage):
         self._check_codes(codes, "batch_is_exist")
         return self._leading([c == 1 for c in codes])
 
+    def _transfer_call(self, op: str, keys: list[str], host_pages: list[int]):
+        """(client, object names, pointers, sizes) for a page transfer, or None when there is
+        nothing to do or no master now (counted by `_client`).
+
+        Raises:
+            ValueError: `len(keys) != len(host_pages)` or a host page out of range.
+        """
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{op}: {len(keys)} keys for {len(host_pages)} host pages")
+        if not keys:
+            return None
+        names, ptrs, sizes = self._objects(keys, host_pages)
+        store = self._client()
+        return None if store is None else (store, names, ptrs, sizes)
+
     def batch_get_into(self, keys: list[str], host_pages: list[int]) -> int:
         """Read pages straight into host pages `host_pages` (every kind). Returns the leading
         pages read whole (each object exactly its page's bytes); later pages may hold garbage.
@@ -379,14 +394,10 @@ class MooncakeStore(HiCacheStorage):
         Raises:
             ValueError: `len(keys) != len(host_pages)` or a host page out of range.
         """
-        if len(keys) != len(host_pages):
-            raise ValueError(f"batch_get_into: {len(keys)} keys for {len(host_pages)} host pages")
-        if not keys:
+        call = self._transfer_call("batch_get_into", keys, host_pages)
+        if call is None:
             return 0
-        names, ptrs, sizes = self._objects(keys, host_pages)
-        store = self._client()
-        if store is None:
-            return 0
+        store, names, ptrs, sizes = call
         start = time.perf_counter()
         got = store.batch_get_into(names, ptrs, sizes)
         self._check_codes(got, "batch_get_into")
@@ -406,14 +417,10 @@ class MooncakeStore(HiCacheStorage):
         Raises:
             ValueError: `len(keys) != len(host_pages)` or a host page out of range.
         """
-        if len(keys) != len(host_pages):
-            raise ValueError(f"batch_set_from: {len(keys)} keys for {len(host_pages)} host pages")
-        if not keys:
+        call = self._transfer_call("batch_set_from", keys, host_pages)
+        if call is None:
             return 0
-        names, ptrs, sizes = self._objects(keys, host_pages)
-        store = self._client()
-        if store is None:
-            return 0
+        store, names, ptrs, sizes = call
         start = time.perf_counter()
         present = store.batch_is_exist(names)
         self._check_codes(present, "batch_is_exist")
