@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                       max_running_requests=max(args.batch_size, 8), chunked_prefill_size=-1,
                       max_prefill_tokens=max(args.filler_len, args.context_len) * 2,
                       enable_hierarchical_cache=True, hicache_write_policy="write_back",
-                      hicache_ratio=2.0)
+                      hicache_ratio=2.0,
+                      # Steps are driven one call at a time below (prepare, forward, process), which
+                      # is the synchronous loop's API; the overlap worker thread would race them.
+                      disable_overlap_schedule=True)
         server_args, missing = make_server_args(**fields)
         sched = Scheduler(server_args, None)
         vocab = sched.model_runner.vocab_size

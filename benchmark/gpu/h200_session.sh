@@ -14,6 +14,8 @@
 #                                                   #   every server at --tp-size 2 (500-request stress with the
 #                                                   #   host tier, identity with/without it) against a TP=1
 #                                                   #   server on the same backend (calibrated tolerance) (~15 min)
+#   bash benchmark/gpu/h200_session.sh storage-hit  # issue 11 9(c): 8K-token prefix L3 -> host -> device, TTFT of a
+#                                                   #   storage hit vs recompute, bytes/s per hop vs a copy (~2 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
 # project's missing wheels installed (README of benchmark/gpu).
@@ -74,6 +76,9 @@ case "${1:-tests}" in
       | tee "$OUT/gpu_e2e_tp2_cpu.txt"
     python3 -m pytest test/e2e/test_tp.py test/unit/test_tp_collectives.py test/unit/test_tp_sharding.py -q \
       -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/tp_tests_cpu.txt"
+    ;;
+  storage-hit)
+    python3 benchmark/gpu/bench_storage_hit.py --out-dir "$OUT" 2>&1 | tail -12 | tee "$OUT/storage_hit.txt"
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \

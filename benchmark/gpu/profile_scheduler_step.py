@@ -24,6 +24,7 @@ Writes <out-dir>/<name>.json; `--trace DIR` also writes a torch.profiler trace o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -115,9 +116,13 @@ def profile_mode(args: argparse.Namespace, model_path: str, overlap: bool) -> di
 
     extra = {"enable_overlap_schedule": True} if overlap and args.device == "cpu" else {
         "disable_overlap_schedule": not overlap}
+    context = args.input_len + args.output_len + 64
+    rows = max(args.concurrency, 8)
+    # A pool sized to the workload, not to free memory: both modes' schedulers live in this
+    # process (the overlap worker thread keeps its model runner), so the second must fit too.
     sargs = ServerArgs(model_path=model_path, load_format="dummy", dtype=args.dtype, device=args.device,
-                       max_running_requests=max(args.concurrency, 8), random_seed=1,
-                       context_length=args.input_len + args.output_len + 64, **extra).resolve()
+                       max_running_requests=rows, random_seed=1, context_length=context,
+                       max_total_tokens=rows * context + 1024, **extra).resolve()
     sched = Scheduler(sargs, None)
     gen = torch.Generator().manual_seed(1)
     vocab = sched.model_runner.vocab_size
@@ -133,8 +138,13 @@ def profile_mode(args: argparse.Namespace, model_path: str, overlap: bool) -> di
         undo()
     if not timer.steps:
         raise RuntimeError("no steady decode steps were timed (raise --output-len)")
-    return {"overlap": overlap, "steps_timed": len(timer.steps), "median_ms": medians_ms(timer.steps),
-            "num_overlapped_batches": sched.num_overlapped_batches}
+    result = {"overlap": overlap, "steps_timed": len(timer.steps), "median_ms": medians_ms(timer.steps),
+              "num_overlapped_batches": sched.num_overlapped_batches}
+    del sched
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def _run_steps(args: argparse.Namespace, sched: Any, overlap: bool, timer: PhaseTimer) -> None:

@@ -150,7 +150,7 @@ def in_process_profile(args: argparse.Namespace, model_dir: str, page: int, voca
     def run(ids: list[int]) -> float:
         t0 = time.perf_counter()
         sched.add_request(TokenizedGenerateReqInput(rid=str(rng.random()), input_ids=ids, sampling_params=sp))
-        while sched.waiting_queue or sched.running or sched.chunked_req:
+        while sched.has_work():  # overlap on CUDA: also the launched batch not yet processed
             sched.step()
         if sched.device.type == "cuda":
             torch.cuda.synchronize()
