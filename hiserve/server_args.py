@@ -179,7 +179,7 @@ class ServerArgs:
         choices=HICACHE_STORAGE_PREFETCH_POLICIES)
     hicache_storage_backend_extra_config: Optional[str] = _arg(
         None, "JSON object (or @path to a JSON file) with SGLang's keys: file_storage_path, "
-        "storage_size_cap_gb (file); master_server_address, metadata_server, protocol, "
+        "storage_size_cap_gb, file_io_threads (file); master_server_address, metadata_server, protocol, "
         "global_segment_size, local_hostname (mooncake); prefetch_threshold (tokens, 256), "
         "prefetch_timeout_base (s, 1.0), prefetch_timeout_per_ki_token (s, 0.25).")
 

@@ -15,9 +15,10 @@ a Llama-3-8B-shaped model (dummy weights, bf16, page 64), in one process and one
 2. Each hop alone on the same pools and backend, as a ratio to a copy of the same bytes
    measured in the same run (ratio = copy time / hop time; 1.0 = as fast as the copy):
      L3 -> host   `backend.batch_get_into` of the prefix's pages into free host pages;
-                  copy: one `Tensor.copy_` of the same bytes between two host buffers on
-                  one thread (the storage worker is one thread). A file just written is
-                  served from the OS page cache: this is the backend's cost above RAM.
+                  copy: one `Tensor.copy_` of the same bytes between two host buffers with
+                  as many threads as the backend reads with (`file_io_threads`). A file
+                  just written is served from the OS page cache: this is the backend's
+                  cost above RAM.
      host -> device  the controller's layer-wise load-back (`load` + `start_loading`) of
                   those host pages into free device slots, CUDA events on its stream;
                   copy: one contiguous pinned host -> device copy of the same bytes.
@@ -54,7 +55,7 @@ from hiserve.testing.dummy_model import write_dummy_model  # noqa: E402
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--prefix-len", type=int, default=8192)
+    p.add_argument("--prefix-len", type=int, default=8064, help="8K context: 126 pages of 64 + 64 new tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
@@ -62,6 +63,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny-llama, 512-token prefix (harness check)")
     p.add_argument("--storage-dir", default=None, help="file backend directory (default: a temp dir)")
+    p.add_argument("--io-threads", type=int, default=None, help="file_io_threads (default: the backend's)")
     p.add_argument("--out-dir", default="benchmark/results")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
@@ -77,10 +79,12 @@ def build_scheduler(args: argparse.Namespace, model_dir: str, storage_dir: str) 
     fields = dict(model_path=model_dir, load_format="dummy", dtype=args.dtype, device=args.device,
                   page_size=args.page_size, random_seed=1, max_total_tokens=pool, max_running_requests=8,
                   chunked_prefill_size=-1, max_prefill_tokens=prompt + args.page_size,
-                  context_length=prompt + 2 * args.page_size, enable_hierarchical_cache=True, hicache_ratio=3.0,
+                  enable_hierarchical_cache=True, hicache_ratio=3.0,
                   hicache_write_policy="write_through", hicache_storage_backend="file",
                   hicache_storage_prefetch_policy="wait_complete",
-                  hicache_storage_backend_extra_config=json.dumps({"file_storage_path": storage_dir}))
+                  hicache_storage_backend_extra_config=json.dumps(
+                      {"file_storage_path": storage_dir,
+                       **({"file_io_threads": args.io_threads} if args.io_threads else {})}))
     server_args, missing = make_server_args(**fields)
     return Scheduler(server_args, None), missing
 
@@ -175,12 +179,13 @@ def hops(sched: Scheduler, rng: random.Random, args: argparse.Namespace, vocab: 
     pinned = src.pin_memory() if device.type == "cuda" else src
     gpu_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     threads = torch.get_num_threads()
+    readers = getattr(h.storage.backend, "io_threads", 1)  # the copy gets as many threads as the reads
     for _ in range(args.reps + 1):  # the first round warms up
         got = [0]
         rows["l3_to_host"].append(time_ms(lambda: got.__setitem__(0, h.storage.backend.batch_get_into(keys, host_pages)),
                                           torch.device("cpu")))
         assert got[0] == n, f"batch_get_into delivered {got[0]} of {n} pages"
-        torch.set_num_threads(1)
+        torch.set_num_threads(readers)
         rows["host_memcpy"].append(time_ms(lambda: dst.copy_(src), torch.device("cpu")))
         torch.set_num_threads(threads)
         ctrl = h.controller
@@ -197,7 +202,7 @@ def hops(sched: Scheduler, rng: random.Random, args: argparse.Namespace, vocab: 
     sched.kv.check_integrity()
     med = {k: statistics.median(v[1:]) for k, v in rows.items()}
     gb = lambda ms: nbytes / ms / 1e6  # noqa: E731  (GB/s from bytes and ms)
-    return {"pages": n, "bytes": nbytes, "samples_ms": rows, "median_ms": med,
+    return {"pages": n, "bytes": nbytes, "read_threads": readers, "samples_ms": rows, "median_ms": med,
             "l3_to_host_GBps": gb(med["l3_to_host"]), "host_memcpy_GBps": gb(med["host_memcpy"]),
             "l3_to_host_ratio": med["host_memcpy"] / med["l3_to_host"],
             "host_to_device_GBps": gb(med["host_to_device"]), "h2d_copy_GBps": gb(med["h2d_copy"]),

@@ -141,10 +141,11 @@ def corrupt_flip(path):
         f.write(bytes([b[0] ^ 0x10]))
 
 
+@pytest.mark.parametrize("threads", [1, 4], ids=["one-thread", "read-threads"])
 @pytest.mark.parametrize("damage,reason", [(corrupt_truncate, "truncated"), (corrupt_flip, "checksum")])
-def test_damaged_file_is_a_counted_miss_and_removed(tmp_path, damage, reason):
+def test_damaged_file_is_a_counted_miss_and_removed(tmp_path, damage, reason, threads):
     host = make_host()
-    backend = store(tmp_path, host)
+    backend = store(tmp_path, host, file_io_threads=threads)
     keys = keys_for(backend.namespace, 3)
     backend.batch_set_from(keys, [0, 1, 2])
     bad = kind_files(backend, keys[1])[1]
@@ -171,9 +172,12 @@ def test_truncated_file_seen_by_exists(tmp_path):
     assert backend.stats().failures["truncated"] == 1 and not os.path.exists(bad)
 
 
-def test_file_copied_under_another_key_is_a_miss(tmp_path):
+# On one thread a read stops at a page's first bad file; on the read threads every file of
+# the batch is read, so both of the page's foreign files are counted (and deleted).
+@pytest.mark.parametrize("threads,bad_files", [(1, 1), (4, 2)], ids=["one-thread", "read-threads"])
+def test_file_copied_under_another_key_is_a_miss(tmp_path, threads, bad_files):
     host = make_host()
-    backend = store(tmp_path, host)
+    backend = store(tmp_path, host, file_io_threads=threads)
     keys = keys_for(backend.namespace, 2)
     backend.batch_set_from(keys[:1], [0])
     src, dst = kind_files(backend, keys[0])[0], kind_files(backend, keys[1])[0]
@@ -181,13 +185,14 @@ def test_file_copied_under_another_key_is_a_miss(tmp_path):
     os.link(kind_files(backend, keys[0])[1], kind_files(backend, keys[1])[1])
     host.buffer.zero_()
     assert backend.batch_get_into(keys[1:], [4]) == 0
-    assert backend.stats().failures["checksum"] == 1 and not os.path.exists(dst)
+    assert backend.stats().failures["checksum"] == bad_files and not os.path.exists(dst)
     assert page_bytes(host, 4)[0] == bytes(len(page_bytes(host, 4)[0]))  # never usable KV anyway
 
 
-def test_foreign_file_and_partial_temp_file_are_ignored(tmp_path):
+@pytest.mark.parametrize("threads,bad_files", [(1, 1), (4, 2)], ids=["one-thread", "read-threads"])
+def test_foreign_file_and_partial_temp_file_are_ignored(tmp_path, threads, bad_files):
     host = make_host()
-    backend = store(tmp_path, host)
+    backend = store(tmp_path, host, file_io_threads=threads)
     keys = keys_for(backend.namespace, 2)
     backend.batch_set_from(keys[:1], [0])
     h1 = keys[1].rsplit("/", 1)[-1]
@@ -195,7 +200,7 @@ def test_foreign_file_and_partial_temp_file_are_ignored(tmp_path):
         f.write(b"HSKVPAGE" + b"\0" * 10)  # a writer that died mid-page
     with open(os.path.join(backend.directory, "notes.txt"), "w") as f:
         f.write("not a page")
-    again = store(tmp_path, host)
+    again = store(tmp_path, host, file_io_threads=threads)
     assert again.batch_exists(keys) == 1 and again.state()["pages"] == 1
     assert again.batch_get_into(keys, [5, 6]) == 1
     assert not again.stats().failures
@@ -204,7 +209,7 @@ def test_foreign_file_and_partial_temp_file_are_ignored(tmp_path):
     for path in kind_files(backend, keys[1]):
         with open(path, "wb") as f:
             f.write(os.urandom(size))
-    assert again.batch_get_into(keys[1:], [6]) == 0 and again.stats().failures["checksum"] == 1
+    assert again.batch_get_into(keys[1:], [6]) == 0 and again.stats().failures["checksum"] == bad_files
 
 
 def test_size_cap_evicts_least_recently_used(tmp_path):
@@ -392,3 +397,25 @@ def test_parse_extra_config(tmp_path):
     path.write_text("not json")
     with pytest.raises(ValueError, match="invalid JSON in file"):
         parse_extra_config(f"@{path}")
+
+
+def test_read_threads_deliver_every_page_exactly(tmp_path):
+    """Many pages read on 4 threads land in the right host pages, byte for byte."""
+    host = make_host(dtype=torch.bfloat16)
+    backend = store(tmp_path, host, file_io_threads=4)
+    assert backend.state()["io_threads"] == 4
+    n = HOST_PAGES // 2
+    keys = keys_for(backend.namespace, n)
+    assert backend.batch_set_from(keys, list(range(n))) == n
+    want = [page_bytes(host, i) for i in range(n)]
+    dst = list(range(HOST_PAGES - 1, HOST_PAGES - 1 - n, -1))  # other pages, reversed order
+    assert backend.batch_get_into(keys, dst) == n
+    assert [page_bytes(host, d) for d in dst] == want
+    backend.close()
+    assert backend.batch_get_into(keys, dst) == n  # after close: one thread, still correct
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_file_io_threads_must_be_a_positive_integer(tmp_path, bad):
+    with pytest.raises(ValueError, match="file_io_threads"):
+        store(tmp_path, make_host(), file_io_threads=bad)
