@@ -54,6 +54,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="benchmark/results")
     p.add_argument("--name", default=None, help="JSON name (default: h200_overlap, or cpu_overlap_tiny)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    p.add_argument("--resummarize", default=None, metavar="JSON",
+                   help="recompute the rows of a stored result from its raw data and exit")
     args = p.parse_args(argv)
     if min(args.concurrency) < 1:
         p.error("--concurrency values must be at least 1")
@@ -114,12 +116,16 @@ def summarize(decode_rows: list[dict[str, Any]], serving: dict[str, list[dict[st
             tpot = res.get("mean_tpot_ms")
             row = {"concurrency": c, "mode": mode, "mean_tpot_ms": tpot,
                    "median_tpot_ms": res.get("median_tpot_ms"), "output_throughput": res.get("output_throughput"),
+                   "median_itl_ms": res.get("median_itl_ms"),
                    "completed": res.get("completed"), "failed": res.get("failed"), "model_step_ms": step_ms,
-                   "tpot_over_step": None, "step_limit_throughput": None, "throughput_over_limit": None}
+                   "tpot_over_step": None, "itl_over_step": None, "step_limit_throughput": None,
+                   "throughput_over_limit": None}
             if step_ms:
                 row["step_limit_throughput"] = c * 1000.0 / step_ms
                 if tpot:
                     row["tpot_over_step"] = tpot / step_ms
+                if row["median_itl_ms"]:  # steady-state token gap: no other request's prefill in it
+                    row["itl_over_step"] = row["median_itl_ms"] / step_ms
                 if res.get("output_throughput"):
                     row["throughput_over_limit"] = res["output_throughput"] / row["step_limit_throughput"]
             rows.append(row)
@@ -140,13 +146,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return "n/a" if v is None else fmt.format(v)
 
     head = f"{'conc':>5} {'mode':>11} {'TPOT ms':>8} {'p50 ms':>7} {'step ms':>8} {'TPOT/step':>9} " \
-           f"{'out tok/s':>10} {'limit tok/s':>11} {'of limit':>8}"
+           f"{'ITL p50/step':>12} {'out tok/s':>10} {'limit tok/s':>11} {'of limit':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['concurrency']:>5} {r['mode']:>11} {f(r['mean_tpot_ms']):>8} {f(r['median_tpot_ms']):>7} "
                      f"{f(r['model_step_ms']):>8} {f(r['tpot_over_step'], '{:.3f}'):>9} "
-                     f"{f(r['output_throughput'], '{:.0f}'):>10} {f(r['step_limit_throughput'], '{:.0f}'):>11} "
-                     f"{f(r['throughput_over_limit'], '{:.2f}'):>8}")
+                     f"{f(r.get('itl_over_step'), '{:.3f}'):>12} {f(r['output_throughput'], '{:.0f}'):>10} "
+                     f"{f(r['step_limit_throughput'], '{:.0f}'):>11} {f(r['throughput_over_limit'], '{:.2f}'):>8}")
     return "\n".join(lines)
 
 
@@ -203,8 +209,22 @@ def run_mode(args: argparse.Namespace, model_dir: str, mode: str, work: Path) ->
         _stop(proc)
 
 
+def resummarize(path: Path) -> int:
+    """Recompute a stored record's rows and targets from its own raw data (`decode_rows`,
+    `serving`), e.g. after a column was added; rewrites the file and prints the table."""
+    record = json.loads(path.read_text())
+    record["rows"] = summarize(record["decode_rows"], record["serving"])
+    record["targets"] = targets(record["rows"])
+    print(format_table(record["rows"]))
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"rewrote {path}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.resummarize:
+        return resummarize(Path(args.resummarize))
     work = Path(tempfile.mkdtemp(prefix="bench_overlap_"))
     model_dir = str(work / args.shape)
     out_dir = str(Path(args.out_dir))

@@ -4,6 +4,7 @@ runs, the summary and its target check), on the CPU; its H200 run is a later ses
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def test_commands():
 def test_summary_ratios_and_target(capsys):
     decode = [{"mode": "cuda_graph", "batch_size": 1, "step_ms": 4.8}, {"mode": "eager", "batch_size": 1, "step_ms": 17.0},
               {"mode": "cuda_graph", "batch_size": 16, "step_ms": 5.5}]
-    serving = {"overlap": [{"concurrency": 1, "mean_tpot_ms": 4.9, "median_tpot_ms": 4.9, "output_throughput": 200.0},
+    serving = {"overlap": [{"concurrency": 1, "mean_tpot_ms": 4.9, "median_tpot_ms": 4.9, "output_throughput": 200.0,
+                            "median_itl_ms": 5.04},
                            {"concurrency": 16, "mean_tpot_ms": 5.6, "median_tpot_ms": 5.6, "output_throughput": 2800.0}],
                "no_overlap": [{"concurrency": 1, "mean_tpot_ms": 5.91, "median_tpot_ms": 5.9, "output_throughput": 160.0}]}
     rows = bo.summarize(decode, serving)
@@ -57,13 +59,14 @@ def test_summary_ratios_and_target(capsys):
     assert one["model_step_ms"] == 4.8  # the CUDA-graph step, not the eager one
     assert one["tpot_over_step"] == pytest.approx(4.9 / 4.8)
     assert one["step_limit_throughput"] == pytest.approx(1000 / 4.8)
+    assert one["itl_over_step"] == pytest.approx(5.04 / 4.8) and rows[2]["itl_over_step"] is None
     assert rows[2]["throughput_over_limit"] == pytest.approx(2800 / (16000 / 5.5))
     t = bo.targets(rows)
     assert t["met"] and set(t["tpot_over_step"]) == {1, 16}
     serving["overlap"][0]["mean_tpot_ms"] = 5.91  # 1.23x the step: the starting point
     assert not bo.targets(bo.summarize(decode, serving))["met"]
     table = bo.format_table(rows)
-    assert "TPOT/step" in table and "1.021" in table
+    assert "TPOT/step" in table and "1.021" in table and "1.050" in table
     assert not bo.targets(bo.summarize([], serving))["met"]  # no step time: no claim
 
 
@@ -93,3 +96,15 @@ def test_profile_harness_on_the_cpu(tmp_path):
     assert {"prep", "forward", "sample", "process"} <= set(sync["median_ms"])
     assert {"prep", "launch", "wait", "process", "worker_forward"} <= set(overlap["median_ms"])
     assert overlap["steps_timed"] == sync["steps_timed"] == 20
+
+
+def test_resummarize_recomputes_rows_from_the_raw_data(tmp_path, capsys):
+    decode = [{"mode": "cuda_graph", "batch_size": 16, "step_ms": 5.0}]
+    serving = {"overlap": [{"concurrency": 16, "mean_tpot_ms": 6.0, "median_tpot_ms": 6.0, "median_itl_ms": 5.25,
+                            "output_throughput": 2000.0}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": [], "targets": {}, "decode_rows": decode, "serving": serving}))
+    assert bo.main(["--resummarize", str(path)]) == 0
+    rec = json.loads(path.read_text())
+    assert rec["rows"][0]["itl_over_step"] == pytest.approx(1.05) and rec["rows"][0]["tpot_over_step"] == 1.2
+    assert not rec["targets"]["met"] and "1.050" in capsys.readouterr().out
