@@ -124,7 +124,7 @@ def summarize(decode_rows: list[dict[str, Any]], serving: dict[str, list[dict[st
                 row["step_limit_throughput"] = c * 1000.0 / step_ms
                 if tpot:
                     row["tpot_over_step"] = tpot / step_ms
-                if row["median_itl_ms"]:  # steady-state token gap: no other request's prefill in it
+                if row["median_itl_ms"]:  # typical token gap: a median is robust to the few prefill stalls
                     row["itl_over_step"] = row["median_itl_ms"] / step_ms
                 if res.get("output_throughput"):
                     row["throughput_over_limit"] = res["output_throughput"] / row["step_limit_throughput"]
@@ -213,8 +213,9 @@ def resummarize(path: Path) -> int:
     """Recompute a stored record's rows and targets from its own raw data (`decode_rows`,
     `serving`), e.g. after a column was added; rewrites the file and prints the table."""
     record = json.loads(path.read_text())
-    record["rows"] = summarize(record["decode_rows"], record["serving"])
+    record["rows"] = summarize(record.get("decode_rows", []), record["serving"])
     record["targets"] = targets(record["rows"])
+    record["resummarized"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(format_table(record["rows"]))
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"rewrote {path}")

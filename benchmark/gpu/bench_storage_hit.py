@@ -11,10 +11,14 @@ a Llama-3-8B-shaped model (dummy weights, bf16, page 64), in one process and one
                   are computed
      host hit     the same prompt again after its device copy was evicted (host -> device)
      device hit   the same prompt again (nothing moves)
-   The storage-hit run must read the whole aligned prefix from storage (checked).
+   Each case is checked: the storage hit read the whole page-aligned prefix from storage,
+   the host hit loaded it back from the host, the device hit moved nothing. The storage
+   files were just written, so the OS page cache serves them: this is L3 from RAM, the best
+   case for a local disk (a cold read would add the disk's time).
 2. Each hop alone on the same pools and backend, as a ratio to a copy of the same bytes
    measured in the same run (ratio = copy time / hop time; 1.0 = as fast as the copy):
-     L3 -> host   `backend.batch_get_into` of the prefix's pages into free host pages;
+     L3 -> host   one `backend.batch_get_into` of all the prefix's pages into free host
+                  pages (a prefetch reads in calls of 16 pages, `DEFAULT_BATCH_PAGES`);
                   copy: one `Tensor.copy_` of the same bytes between two host buffers with
                   as many threads as the backend reads with (`file_io_threads`). A file
                   just written is served from the OS page cache: this is the backend's
@@ -67,9 +71,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="benchmark/results")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
+    if args.io_threads is not None and args.io_threads < 1:
+        p.error("--io-threads must be at least 1")
     if args.tiny:
         args.shape, args.prefix_len, args.new_tokens, args.page_size, args.dtype = "tiny-llama", 512, 16, 16, "float32"
-    args.name = args.name or ("h200_storage_hit" if args.device == "cuda" else "cpu_storage_hit_tiny")
+    machine = "h200" if args.device == "cuda" else "cpu"
+    args.name = args.name or f"{machine}_storage_hit" + ("_tiny" if args.tiny else "")
     return args
 
 
@@ -121,21 +128,31 @@ def settle_storage(sched: Scheduler, want_tokens: int, timeout_s: float = 120.0)
 
 
 def ttft_round(sched: Scheduler, rng: random.Random, args: argparse.Namespace, vocab: int) -> dict[str, float]:
-    """One repetition of the four TTFT cases; checks the storage hit read the whole prefix."""
+    """One repetition of the four TTFT cases, each checked to have moved the KV it should."""
     cache = sched.kv.prefix_cache
     prefix = [rng.randrange(10, vocab) for _ in range(args.prefix_len)]
     new = lambda: [rng.randrange(10, vocab) for _ in range(args.new_tokens)]  # noqa: E731
+    aligned = args.prefix_len // args.page_size * args.page_size
     row = {"recompute": run_prompt(sched, prefix + new())}
-    settle_storage(sched, cache.storage_stats.backuped_tokens_total + args.prefix_len)
+    settle_storage(sched, cache.storage_stats.backuped_tokens_total + aligned)
     assert sched.flush_cache(), "flush refused: requests still hold KV"
-    before = cache.storage_stats.prefetched_tokens_total
+
+    def moved() -> tuple[int, int]:  # (tokens read from storage, tokens loaded back from the host)
+        return cache.storage_stats.prefetched_tokens_total, sched.kv.stats().loaded_back_tokens_total
+    before = moved()
     row["storage_hit"] = run_prompt(sched, prefix + new())
-    got = cache.storage_stats.prefetched_tokens_total - before
-    if got != args.prefix_len:
-        raise RuntimeError(f"the storage hit read {got} tokens from storage, expected {args.prefix_len}")
+    got = moved()[0] - before[0]
+    if got != aligned:
+        raise RuntimeError(f"the storage hit read {got} tokens from storage, expected {aligned}")
+    before = moved()
     row["device_hit"] = run_prompt(sched, prefix + new())
+    if moved() != before:
+        raise RuntimeError("the device hit read from storage or loaded back from the host")
     sched.kv.evict(sched.kv.stats().evictable)  # device copy out; the host copy stays
+    before = moved()
     row["host_hit"] = run_prompt(sched, prefix + new())
+    if moved()[1] - before[1] < aligned or moved()[0] != before[0]:
+        raise RuntimeError(f"the host hit loaded back {moved()[1] - before[1]} tokens, expected {aligned}")
     sched.kv.check_integrity()
     assert sched.flush_cache()
     return row
@@ -163,13 +180,34 @@ def hops(sched: Scheduler, rng: random.Random, args: argparse.Namespace, vocab: 
     P, n = args.page_size, args.prefix_len // args.page_size
     ids = [rng.randrange(10, vocab) for _ in range(args.prefix_len + args.new_tokens)]
     run_prompt(sched, ids)
-    settle_storage(sched, cache.storage_stats.backuped_tokens_total + args.prefix_len)
+    settle_storage(sched, cache.storage_stats.backuped_tokens_total + n * P)
     assert sched.flush_cache()
-    keys = page_keys(ids[:args.prefix_len], P, cache.storage_namespace)
+    keys = page_keys(ids[:n * P], P, cache.storage_namespace)
     nbytes = n * cache._page_bytes_all_kinds()
     host_slots = h.host_pool.alloc(n * P)
     dev_slots = h.allocator.alloc(n * P)
     assert host_slots is not None and dev_slots is not None, "pools too small for the hop measurement"
+    try:
+        rows = _time_hops(sched, keys, host_slots, dev_slots, nbytes, args.reps)
+    finally:
+        h.host_pool.free(host_slots)
+        h.allocator.free(dev_slots)
+    sched.kv.check_integrity()
+    med = {k: statistics.median(v[1:]) for k, v in rows.items()}
+    gb = lambda ms: nbytes / ms / 1e6  # noqa: E731  (GB/s from bytes and ms)
+    return {"pages": n, "bytes": nbytes, "read_threads": getattr(h.storage.backend, "io_threads", 1),
+            "samples_ms": rows, "median_ms": med,
+            "l3_to_host_GBps": gb(med["l3_to_host"]), "host_memcpy_GBps": gb(med["host_memcpy"]),
+            "l3_to_host_ratio": med["host_memcpy"] / med["l3_to_host"],
+            "host_to_device_GBps": gb(med["host_to_device"]), "h2d_copy_GBps": gb(med["h2d_copy"]),
+            "host_to_device_ratio": med["h2d_copy"] / med["host_to_device"]}
+
+
+def _time_hops(sched: Scheduler, keys: list[str], host_slots: torch.Tensor, dev_slots: torch.Tensor,
+               nbytes: int, reps: int) -> dict[str, list[float]]:
+    """ms of each hop and its reference copy, `reps` + 1 times (the first warms up)."""
+    h, P = sched.kv.h, sched.kv.h.host_pool.page_size
+    n = len(keys)
     host_pages = (host_slots[::P] // P).tolist()
     device = sched.device
     rows: dict[str, list[float]] = {"l3_to_host": [], "host_memcpy": [], "host_to_device": [], "h2d_copy": []}
@@ -180,10 +218,12 @@ def hops(sched: Scheduler, rng: random.Random, args: argparse.Namespace, vocab: 
     gpu_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     threads = torch.get_num_threads()
     readers = getattr(h.storage.backend, "io_threads", 1)  # the copy gets as many threads as the reads
-    for _ in range(args.reps + 1):  # the first round warms up
+    for _ in range(reps + 1):
         got = [0]
-        rows["l3_to_host"].append(time_ms(lambda: got.__setitem__(0, h.storage.backend.batch_get_into(keys, host_pages)),
-                                          torch.device("cpu")))
+
+        def l3_read() -> None:
+            got[0] = h.storage.backend.batch_get_into(keys, host_pages)
+        rows["l3_to_host"].append(time_ms(l3_read, torch.device("cpu")))
         assert got[0] == n, f"batch_get_into delivered {got[0]} of {n} pages"
         torch.set_num_threads(readers)
         rows["host_memcpy"].append(time_ms(lambda: dst.copy_(src), torch.device("cpu")))
@@ -197,16 +237,7 @@ def hops(sched: Scheduler, rng: random.Random, args: argparse.Namespace, vocab: 
         ctrl.synchronize()
         ctrl.poll_load_acks()
         rows["h2d_copy"].append(time_ms(lambda: gpu_buf.copy_(pinned, non_blocking=True), device))
-    h.host_pool.free(host_slots)
-    h.allocator.free(dev_slots)
-    sched.kv.check_integrity()
-    med = {k: statistics.median(v[1:]) for k, v in rows.items()}
-    gb = lambda ms: nbytes / ms / 1e6  # noqa: E731  (GB/s from bytes and ms)
-    return {"pages": n, "bytes": nbytes, "read_threads": readers, "samples_ms": rows, "median_ms": med,
-            "l3_to_host_GBps": gb(med["l3_to_host"]), "host_memcpy_GBps": gb(med["host_memcpy"]),
-            "l3_to_host_ratio": med["host_memcpy"] / med["l3_to_host"],
-            "host_to_device_GBps": gb(med["host_to_device"]), "h2d_copy_GBps": gb(med["h2d_copy"]),
-            "host_to_device_ratio": med["h2d_copy"] / med["host_to_device"]}
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -216,6 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hiserve_bench_storage_hit_") as folder:
         storage_dir = args.storage_dir or str(Path(folder) / "l3")
         sched, missing = build_scheduler(args, write_dummy_model(folder, args.shape), storage_dir)
+        sched.kv.h.storage.backend.clear()  # a reused --storage-dir would turn "recompute" into a hit
         vocab = sched.model_runner.vocab_size
         run_prompt(sched, [rng.randrange(10, vocab) for _ in range(args.new_tokens)])  # warm-up
         rounds = [ttft_round(sched, rng, args, vocab) for _ in range(args.reps + 1)][1:]
@@ -230,7 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("TTFT median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in ttft.items())
           + f"; storage hit / recompute {record['storage_hit_over_recompute']:.3f}")
     print(f"{'hop':<16}{'GB/s':>9}{'copy GB/s':>11}{'ratio':>8}")
-    print(f"{'L3 -> host':<16}{hp['l3_to_host_GBps']:>9.2f}{hp['host_memcpy_GBps']:>11.2f}{hp['l3_to_host_ratio']:>8.3f}")
+    print(f"{'L3 -> host':<16}{hp['l3_to_host_GBps']:>9.2f}{hp['host_memcpy_GBps']:>11.2f}"
+          f"{hp['l3_to_host_ratio']:>8.3f}")
     print(f"{'host -> device':<16}{hp['host_to_device_GBps']:>9.2f}{hp['h2d_copy_GBps']:>11.2f}"
           f"{hp['host_to_device_ratio']:>8.3f}")
     write_record(record, args.out_dir, args.name)

@@ -412,7 +412,32 @@ def test_read_threads_deliver_every_page_exactly(tmp_path):
     assert backend.batch_get_into(keys, dst) == n
     assert [page_bytes(host, d) for d in dst] == want
     backend.close()
-    assert backend.batch_get_into(keys, dst) == n  # after close: one thread, still correct
+    host.buffer.zero_()
+    assert backend.batch_get_into(keys, dst) == n  # after close: on the calling thread, still exact
+    assert [page_bytes(host, d) for d in dst] == want
+
+
+def test_a_read_that_raises_is_a_counted_miss_and_every_read_has_ended(tmp_path, monkeypatch):
+    """An unexpected exception on a read thread: the batch returns the leading pages, counts
+    an io_error, and no read of that batch is still running when it returns."""
+    host = make_host()
+    backend = store(tmp_path, host, file_io_threads=3)
+    keys = keys_for(backend.namespace, 4)
+    assert backend.batch_set_from(keys, [0, 1, 2, 3]) == 4
+    real, running = backend._read_kind, []
+
+    def flaky(h, kind, page):
+        running.append(1)
+        try:
+            if page == 6 and kind == backend.kinds[-1]:
+                raise RuntimeError("boom")
+            return real(h, kind, page)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(backend, "_read_kind", flaky)
+    assert backend.batch_get_into(keys, [4, 5, 6, 7]) == 2
+    assert not running and backend.stats().failures["io_error"] == 1
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])

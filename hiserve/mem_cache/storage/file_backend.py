@@ -21,13 +21,13 @@ mtimes at start, and touched by reads and by writes that find the page already p
 The cap counts this process's view: two servers sharing one directory each enforce it on
 what they know, so give them a cap with room for both.
 
-Reads of one batch run on `file_io_threads` threads (default: the CPU count, at most 8;
-logged at start): reading a file into memory and its CRC-32 release the GIL, so a storage
-hit is not held to one core's copy rate (one thread read 1.3 GB/s of page-cache files on
-the H200 host, 0.32 of a one-core memcpy, and an 8K-token Llama-3-8B prefix then loaded
-3.5x slower than its recompute: `benchmark/results/h200_storage_hit*.json`). Writes stay on
-the storage worker's one thread: they are off every request's path, and one writer keeps
-the size cap exact.
+Reads of one batch run on `file_io_threads` daemon threads (`io_threads.py`; default: the
+usable CPUs, at most 8; logged at start): reading a file into memory and its CRC-32 release
+the GIL, so a storage hit is not held to one core's copy rate. On the H200 host, for an
+8K-token Llama-3-8B prefix in page-cache files, one thread read 1.7 GB/s and the storage hit
+took 2.54x its recompute (`benchmark/results/h200_storage_hit_threads1.json`); eight read
+11.1 GB/s and it took 0.70x (`h200_storage_hit.json`). Writes stay on the storage worker's
+one thread: they are off every request's path, and one writer keeps the size cap exact.
 
 SGLang's file backend (`mem_cache/hicache_storage.py`, `HiCacheFile`) stores one file per
 page key the same way; the header, checksum, cap and parallel reads are hiserve's.
@@ -46,12 +46,12 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
 from hiserve.mem_cache.storage.base import HiCacheStorage
+from hiserve.mem_cache.storage.io_threads import ReadThreads, io_threads_from, usable_cpus
 
 if TYPE_CHECKING:
     from hiserve.mem_cache.memory_pool_host import HostKVCache
@@ -69,21 +69,6 @@ _HASH_RE = re.compile(r"[0-9A-Za-z_-]+")
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
-MAX_DEFAULT_IO_THREADS = 8  # beyond this a page-cache read no longer speeds up (memory bound)
-
-
-def io_threads_from(extra_config: dict) -> int:
-    """`file_io_threads` from the extra config, else min(CPU count, 8).
-
-    Raises:
-        ValueError: not an integer >= 1.
-    """
-    n = extra_config.get("file_io_threads")
-    if n is None:
-        return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_IO_THREADS))
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"file_io_threads must be an integer >= 1, got {n!r}")
-    return n
 
 
 def os_error_reason(exc: OSError) -> str:
@@ -133,11 +118,11 @@ class FileStorage(HiCacheStorage):
         namespace: `keys.storage_namespace(...)`; also the subdirectory name.
         extra_config: `file_storage_path` (str), `storage_size_cap_gb` (float GB of 10**9
             bytes, 0 = no cap), `file_fsync` (bool, default False), `file_io_threads` (int,
-            read threads, default min(CPU count, 8)); other keys are ignored.
+            read threads, default min(usable CPUs, 8)); other keys are ignored.
     Raises:
         ValueError: a `layer_first` host pool, an unsafe namespace, a negative / non-number
-            size cap, or a `file_io_threads` that is not an integer >= 1. I/O problems never raise: a directory that cannot be created is
-            counted and every call then misses.
+            size cap, or a `file_io_threads` that is not an integer >= 1. I/O problems never
+            raise: a directory that cannot be created is counted and every call then misses.
     """
 
     name = "file"
@@ -157,10 +142,10 @@ class FileStorage(HiCacheStorage):
         # the size / CRC check on read (a miss). fsync per page would cost milliseconds each.
         self.fsync = bool(extra_config.get("file_fsync", False))
         self.io_threads = io_threads_from(extra_config)
-        self._io_pool = (ThreadPoolExecutor(self.io_threads, thread_name_prefix="hicache-file-read")
+        self._readers = (ReadThreads(self.io_threads, "hicache-file-read", self._read_error)
                          if self.io_threads > 1 else None)
-        logger.info("file storage: %d read thread(s) (file_io_threads; CPU count %s)",
-                    self.io_threads, os.cpu_count())
+        logger.info("file storage: %d read thread(s) (file_io_threads; %d usable CPUs)",
+                    self.io_threads, usable_cpus())
         self._lru: OrderedDict[str, int] = OrderedDict()  # page hash -> bytes on disk (all kinds)
         self.bytes_used = 0
         self._lock = threading.Lock()  # guards _lru / bytes_used against state() readers
@@ -340,23 +325,30 @@ class FileStorage(HiCacheStorage):
     def _read_pages(self, hashes: list[str], host_pages: list[int]) -> list[bool]:
         """Whether each page (every kind) was read and verified. On the read threads every
         file of the batch is read, also after a miss (the caller keeps the leading pages;
-        the contract lets later pages hold anything); on one thread, stops at the first miss."""
-        if self._io_pool is None or len(hashes) * len(self.kinds) < 2:
-            oks: list[bool] = []
-            for h, page in zip(hashes, host_pages):
-                oks.append(all(self._read_kind(h, kind, page) for kind in self.kinds))
-                if not oks[-1]:
-                    break
-            return oks
-        jobs = [[self._io_pool.submit(self._read_kind, h, kind, page) for kind in self.kinds]
-                for h, page in zip(hashes, host_pages)]
-        return [all([j.result() for j in page_jobs]) for page_jobs in jobs]
+        the contract lets later pages hold anything; at most one batch of reads is spent on
+        a miss); on one thread, stops at the first miss."""
+        readers = self._readers
+        if readers is not None and len(hashes) * len(self.kinds) > 1:
+            jobs = [lambda h=h, k=kind, p=page: self._read_kind(h, k, p)
+                    for h, page in zip(hashes, host_pages) for kind in self.kinds]
+            done = readers.run(jobs)
+            if done is not None:
+                nk = len(self.kinds)
+                return [all(done[i * nk:(i + 1) * nk]) for i in range(len(hashes))]
+        oks: list[bool] = []
+        for h, page in zip(hashes, host_pages):
+            oks.append(all(self._read_kind(h, kind, page) for kind in self.kinds))
+            if not oks[-1]:
+                break
+        return oks
+
+    def _read_error(self, exc: BaseException) -> None:
+        self._fail("io_error", f"read thread: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        """Stop the read threads (idempotent)."""
-        if self._io_pool is not None:
-            self._io_pool.shutdown(wait=True)
-            self._io_pool = None
+        """Let the read threads end (idempotent; later reads run on the calling thread)."""
+        if self._readers is not None:
+            self._readers.close()
 
     def _read_kind(self, h: str, kind: str, page: int) -> bool:
         """Read one file into the page's memory and verify it; False on any miss."""
