@@ -16,6 +16,9 @@
 #                                                   #   server on the same backend (calibrated tolerance) (~15 min)
 #   bash benchmark/gpu/h200_session.sh storage-hit  # issue 11 9(c): 8K-token prefix L3 -> host -> device, TTFT of a
 #                                                   #   storage hit vs recompute, bytes/s per hop vs a copy (~2 min)
+#   bash benchmark/gpu/h200_session.sh owed         # what session 5 left for the next GPU session: decode during
+#                                                   #   eviction with paired idle steps, hit latency (page 64),
+#                                                   #   overlap at concurrency 160 with a step profile (~8 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
 # project's missing wheels installed (README of benchmark/gpu).
@@ -79,6 +82,13 @@ case "${1:-tests}" in
     ;;
   storage-hit)
     python3 benchmark/gpu/bench_storage_hit.py --out-dir "$OUT" 2>&1 | tail -12 | tee "$OUT/storage_hit.txt"
+    ;;
+  owed)
+    python3 benchmark/gpu/bench_decode_during_eviction.py --out-dir "$OUT" 2>&1 | tail -3 | tee "$OUT/eviction.txt"
+    python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --in-process --out-dir "$OUT" 2>&1 \
+      | tail -30 | tee "$OUT/hit_latency.txt"
+    python3 benchmark/gpu/profile_scheduler_step.py --concurrency 160 --name h200_scheduler_step_c160 \
+      --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/scheduler_step_c160.txt"
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \
