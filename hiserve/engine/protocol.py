@@ -58,13 +58,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+def _set(*names: str) -> dict[str, Any]:
+    """JSON Schema: every one of `names` is present and not null."""
+    return {"properties": {n: {"not": {"type": "null"}} for n in names}, "required": list(names)}
+
+
+def exactly_one_of(*names: str) -> dict[str, Any]:
+    """JSON Schema (for /openapi.json) of a rule the handler enforces: exactly one of `names`
+    is set (present and not null)."""
+    return {"oneOf": [_set(n) for n in names]}
+
+
+def at_most_one_of(*names: str) -> dict[str, Any]:
+    """JSON Schema of the rule: no two of `names` are set."""
+    return {"not": {"anyOf": [_set(a, b) for i, a in enumerate(names) for b in names[i + 1:]]}}
+
+
+# json_schema / regex / ebnf: constraint_fields refuses more than one.
+_ONE_GRAMMAR = at_most_one_of("json_schema", "regex", "ebnf")
+
+
 # ================================================================== native /generate
 
 
 class _SamplingParamsInputBase(_Strict):
     """The keys of `sampling_params` that are not engine fields (see `SamplingParamsInput`)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")  # a typo must not fall back to a default
+    model_config = ConfigDict(strict=True, extra="forbid",  # a typo must not fall back to a default
+                              json_schema_extra=_ONE_GRAMMAR)
 
     spaces_between_special_tokens: bool = Field(
         True, description="Accepted for SGLang clients. Hugging Face fast tokenizers (the only kind "
@@ -122,6 +143,8 @@ SamplingParamsInput = _derive_sampling_params_input()
 
 class GenerateReqInput(_Strict):
     """Body of POST /generate. Exactly one of `text` / `input_ids`; a list makes a batch."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=exactly_one_of("text", "input_ids"))
 
     text: Union[str, list[str], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
@@ -188,6 +211,8 @@ class StreamOptions(_Strict):
 
 class _OpenAISampling(_Strict):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (SGLang extras included)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_ONE_GRAMMAR)
 
     model: Optional[str] = None  # echoed back, never validated (clients pass the model path)
     n: int = 1

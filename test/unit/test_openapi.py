@@ -71,3 +71,28 @@ def test_wrong_method_405_with_allow_and_413_without_reading():
     r = client.post("/v1/completions", content=b"[" * 400 + b"]" * 400, headers={"content-type": "application/json"})
     assert r.status_code == 400
     tm._send_sock.close(linger=0)
+
+
+def _validator(doc: dict, name: str):
+    """A JSON Schema validator of component `name`, resolving $refs within the document."""
+    import jsonschema
+
+    schema = {**doc["components"]["schemas"][name], "components": doc["components"]}  # $refs: #/components/...
+    return jsonschema.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("name,bad,good", [
+    ("GenerateReqInput", [{"text": "0", "input_ids": [[0]]}, {}, {"text": None}],
+     [{"text": "hi"}, {"input_ids": [1, 2]}, {"text": None, "input_ids": [1]}]),
+    ("CompletionRequest", [{"prompt": "a", "regex": "", "json_schema": ""}, {"prompt": "a", "regex": "x", "ebnf": "y"}],
+     [{"prompt": "a", "regex": "x"}, {"prompt": "a", "regex": None, "ebnf": "y"}]),
+    ("ChatCompletionRequest", [{"messages": [{"role": "user"}], "json_schema": "{}", "ebnf": "x"}],
+     [{"messages": [{"role": "user"}], "json_schema": "{}"}]),
+    ("SamplingParamsInput", [{"regex": "a", "json_schema": "{}"}], [{"regex": "a"}, {}]),
+])
+def test_mutual_exclusions_are_in_the_schema(doc: dict, name: str, bad: list, good: list):
+    """Rules the handlers enforce across fields (exactly one prompt field; at most one grammar)
+    are stated in /openapi.json, so a schema-valid request is not refused for them."""
+    v = _validator(doc, name)
+    assert not any(v.is_valid(b) for b in bad), [b for b in bad if v.is_valid(b)]
+    assert all(v.is_valid(g) for g in good), [list(v.iter_errors(g)) for g in good if not v.is_valid(g)]
