@@ -77,6 +77,16 @@ def at_most_one_of(*names: str) -> dict[str, Any]:
 # json_schema / regex / ebnf: constraint_fields refuses more than one.
 _ONE_GRAMMAR = at_most_one_of("json_schema", "regex", "ebnf")
 
+# Schema-only statements (json_schema_extra) of what a handler refuses with its own 400 message,
+# so /openapi.json says it without the message turning into a generic validation error.
+# Each is exactly the handler's rule: a looser schema misleads clients, a stricter one fails
+# schemathesis's negative-data check. Size keywords apply only to their own JSON type.
+_NULL_ONLY = {"type": "null"}  # refused when not None
+_EMPTY = {"maxLength": 0, "maxItems": 0}  # refused when truthy: only "", [] or null pass
+_FALSY = {"anyOf": [{"type": "null"}, {"const": False}, {"const": 0}, {"type": "string", "maxLength": 0},
+                    {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]}
+_POSITIVE = {"exclusiveMinimum": 0}  # `_positive_or_none`
+
 
 # ================================================================== native /generate
 
@@ -99,8 +109,8 @@ class _SamplingParamsInputBase(_Strict):
     ebnf: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     # SGLang features hiserve does not implement: refused when set.
-    structural_tag: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
-    stop_regex: Union[str, list[str], None] = None
+    structural_tag: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS, json_schema_extra=_NULL_ONLY)
+    stop_regex: Union[str, list[str], None] = Field(None, json_schema_extra=_NULL_ONLY)
 
     def to_sampling_params(self) -> SamplingParams:
         for name in ("structural_tag", "stop_regex"):
@@ -157,10 +167,11 @@ class GenerateReqInput(_Strict):
     top_logprobs_num: Union[int, list[int], None] = None
     return_text_in_logprobs: Optional[bool] = None
     # Accepted for client compatibility (bench_serving, bench_multiturn send them).
-    lora_path: Union[str, list[Optional[str]], None] = None
+    lora_path: Union[str, list[Optional[str]], None] = Field(
+        None, json_schema_extra={"maxLength": 0, "items": {"maxLength": 0}})  # refused when any path is set
     stream_options: Optional[dict[str, Any]] = None
-    input_embeds: Optional[Any] = None
-    image_data: Optional[Any] = None
+    input_embeds: Optional[Any] = Field(None, json_schema_extra=_NULL_ONLY)
+    image_data: Optional[Any] = Field(None, json_schema_extra=_FALSY)
 
     def check_supported(self) -> None:
         """Refuse the accepted-for-compatibility keys when they ask for something real."""
@@ -236,11 +247,11 @@ class _OpenAISampling(_Strict):
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     rid: Union[str, list[str], None] = None
-    lora_path: Optional[str] = None
+    lora_path: Optional[str] = Field(None, json_schema_extra=_EMPTY)
     regex: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     json_schema: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     ebnf: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
-    stop_regex: Union[str, list[str], None] = None
+    stop_regex: Union[str, list[str], None] = Field(None, json_schema_extra=_EMPTY)
     response_format: Optional[dict[str, Any]] = None
 
     @property
@@ -288,11 +299,11 @@ def _positive_or_none(value: Optional[int], name: str) -> Optional[int]:
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[int] = Field(16, json_schema_extra=_POSITIVE)
     echo: bool = False
     logprobs: Optional[int] = None
     best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    suffix: Optional[str] = Field(None, json_schema_extra=_EMPTY)
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_supported()
@@ -323,12 +334,12 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_OpenAISampling):
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = None  # deprecated alias of max_completion_tokens
-    max_completion_tokens: Optional[int] = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: Optional[int] = Field(None, json_schema_extra=_POSITIVE)  # deprecated alias of max_completion_tokens
+    max_completion_tokens: Optional[int] = Field(None, json_schema_extra=_POSITIVE)
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(None, json_schema_extra=_EMPTY)
     tool_choice: Union[str, dict[str, Any], None] = None
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -89,6 +89,19 @@ def _validator(doc: dict, name: str):
     ("ChatCompletionRequest", [{"messages": [{"role": "user"}], "json_schema": "{}", "ebnf": "x"}],
      [{"messages": [{"role": "user"}], "json_schema": "{}"}]),
     ("SamplingParamsInput", [{"regex": "a", "json_schema": "{}"}], [{"regex": "a"}, {}]),
+    # Features refused with their own 400 message: the schema says which values pass.
+    ("GenerateReqInput", [{"text": "a", "lora_path": "x"}, {"text": "a", "lora_path": [None, "x"]},
+                          {"text": "a", "input_ids": None, "input_embeds": [0.5]}, {"text": "a", "image_data": "img"}],
+     [{"text": "a", "lora_path": [None, ""]}, {"text": "a", "lora_path": ""}, {"text": "a", "image_data": ""},
+      {"text": "a", "image_data": []}, {"text": "a", "input_embeds": None}]),
+    ("SamplingParamsInput", [{"stop_regex": "x"}, {"stop_regex": []}, {"structural_tag": ""}], [{"stop_regex": None}]),
+    ("ChatCompletionRequest", [{"messages": []}, {"messages": [{"role": "user"}], "tools": [{}]},
+                               {"messages": [{"role": "user"}], "max_tokens": 0},
+                               {"messages": [{"role": "user"}], "max_completion_tokens": -1}],
+     [{"messages": [{"role": "user"}], "tools": [], "max_tokens": 1, "max_completion_tokens": None}]),
+    ("CompletionRequest", [{"prompt": "a", "suffix": "b"}, {"prompt": "a", "stop_regex": ["x"]},
+                           {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "lora_path": "x"}],
+     [{"prompt": "a", "suffix": "", "stop_regex": [], "lora_path": None, "max_tokens": 5}]),
 ])
 def test_mutual_exclusions_are_in_the_schema(doc: dict, name: str, bad: list, good: list):
     """Rules the handlers enforce across fields (exactly one prompt field; at most one grammar)
