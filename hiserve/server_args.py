@@ -303,11 +303,12 @@ class ServerArgs:
         if not self.enable_hierarchical_cache:
             raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend} needs "
                              f"--enable-hierarchical-cache (storage reads and writes host-pool pages)")
-        from hiserve.mem_cache.storage import parse_extra_config
+        from hiserve.mem_cache.storage import check_extra_config, parse_extra_config
         from hiserve.mem_cache.storage_controller import StorageConfig
 
         extra = parse_extra_config(self.hicache_storage_backend_extra_config)  # errors name the flag
         StorageConfig.from_extra_config(self.hicache_storage_prefetch_policy, extra)
+        check_extra_config(self.hicache_storage_backend, extra)  # at start, not after the model loads
         if self.hicache_mem_layout == "layer_first":
             self.hicache_mem_layout = "page_first_direct" if self.hicache_io_backend == "direct" else "page_first"
             logger.info("--hicache-mem-layout layer_first with --hicache-storage-backend %s -> %s: storage "

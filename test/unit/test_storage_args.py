@@ -74,6 +74,9 @@ def test_extra_config_json_and_file(llama, tmp_path):
     ("@/nonexistent/cfg.json", "--hicache-storage-backend-extra-config: cannot read"),
     ('{"prefetch_threshold": "many"}', "--hicache-storage-backend-extra-config: prefetch_threshold"),
     ('{"prefetch_timeout_base": -1}', "--hicache-storage-backend-extra-config: prefetch_timeout_base"),
+    # The file backend's own values, checked with the flags rather than after the model loads.
+    ('{"file_io_threads": 0}', "--hicache-storage-backend-extra-config: file_io_threads"),
+    ('{"storage_size_cap_gb": "big"}', "--hicache-storage-backend-extra-config: storage_size_cap_gb"),
 ])
 def test_bad_extra_config_names_the_flag(llama, text, match):
     with pytest.raises(ValueError, match=match):
@@ -113,3 +116,20 @@ def test_extra_config_keys_in_help_are_read():
     sources += [p.read_text() for p in Path(storage_pkg.__file__).parent.glob("*.py")]
     unread = sorted(k for k in keys if not any(f'"{k}"' in s or f"{k}:" in s for s in sources))
     assert not unread, f"--help names extra-config keys nothing reads: {unread}"
+
+
+
+def test_unknown_extra_config_key_is_named_in_a_warning(llama, caplog):
+    """A misspelt key (file_storage_dir for file_storage_path) would silently fall back to the
+    default directory: the warning names it and the keys the backend reads."""
+    with caplog.at_level(logging.WARNING, logger="hiserve.mem_cache.storage"):
+        resolve(llama, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_backend_extra_config='{"file_storage_dir": "/tmp/x", "prefetch_threshold": 32}')
+    text = caplog.text
+    assert "file_storage_dir" in text and "file_storage_path" in text and "prefetch_threshold, " not in text.split(
+        "does not read:")[1].split("(known")[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hiserve.mem_cache.storage"):
+        resolve(llama, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_backend_extra_config='{"file_storage_path": "/tmp/x", "file_io_threads": 2}')
+    assert "does not read" not in caplog.text

@@ -2,12 +2,14 @@
 
 `create_storage(backend, host_pool, namespace, extra_config)` builds one by name, as
 `--hicache-storage-backend` spells it; `parse_extra_config` reads
-`--hicache-storage-backend-extra-config` (inline JSON or `@path/to/file.json`, as SGLang).
+`--hicache-storage-backend-extra-config` (inline JSON or `@path/to/file.json`, as SGLang) and
+`check_extra_config` checks it when the flags are resolved.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING
 
 from hiserve.mem_cache.storage.base import HiCacheStorage, StorageStats
@@ -17,7 +19,26 @@ if TYPE_CHECKING:
 
 STORAGE_BACKENDS = ("file", "mooncake")
 
-__all__ = ["STORAGE_BACKENDS", "HiCacheStorage", "StorageStats", "create_storage", "parse_extra_config"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["STORAGE_BACKENDS", "HiCacheStorage", "StorageStats", "create_storage", "parse_extra_config",
+           "unknown_extra_config_keys", "check_extra_config"]
+
+# Keys each backend reads (SGLang's names where SGLang has them), and the integration's own
+# (`storage_controller.StorageConfig`).
+COMMON_EXTRA_KEYS = frozenset({"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"})
+BACKEND_EXTRA_KEYS = {
+    "file": frozenset({"file_storage_path", "storage_size_cap_gb", "file_fsync", "file_io_threads"}),
+    "mooncake": frozenset({"master_server_address", "metadata_server", "protocol", "device_name",
+                           "local_hostname", "global_segment_size", "local_buffer_size", "connect_retry_interval"}),
+}
+
+
+def unknown_extra_config_keys(backend: str, extra_config: dict) -> list[str]:
+    """Keys of `extra_config` that neither `backend` nor the storage integration reads (sorted);
+    a misspelt key would otherwise fall back to its default silently."""
+    known = COMMON_EXTRA_KEYS | BACKEND_EXTRA_KEYS.get(backend, frozenset())
+    return sorted(k for k in extra_config if k not in known)
 
 
 def create_storage(backend: str, host_pool: "HostKVCache", namespace: str,
@@ -73,3 +94,30 @@ def parse_extra_config(text: str | None) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{flag}: {source} must be a JSON object, got {type(config).__name__}")
     return config
+
+
+
+def check_extra_config(backend: str, extra_config: dict) -> None:
+    """Check `backend`'s own extra-config values that need no connection (the `file` size cap
+    and read threads; a mooncake master is reached only at start-up) and log a warning naming
+    any key nothing reads.
+
+    Raises:
+        ValueError: a bad value; the message names the flag and the key.
+    """
+    from hiserve.mem_cache.storage.io_threads import io_threads_from
+
+    flag = "--hicache-storage-backend-extra-config"
+    if backend == "file":
+        cap = extra_config.get("storage_size_cap_gb", 0) or 0
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
+            raise ValueError(f"{flag}: storage_size_cap_gb must be a number >= 0 (GB), got {cap!r}")
+        try:
+            io_threads_from(extra_config)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from exc
+    unknown = unknown_extra_config_keys(backend, extra_config)
+    if unknown:
+        known = sorted(COMMON_EXTRA_KEYS | BACKEND_EXTRA_KEYS.get(backend, frozenset()))
+        logger.warning("%s: ignoring key(s) the %s backend does not read: %s (known: %s)",
+                       flag, backend, ", ".join(unknown), ", ".join(known))

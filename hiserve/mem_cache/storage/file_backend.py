@@ -144,8 +144,8 @@ class FileStorage(HiCacheStorage):
         self.io_threads = io_threads_from(extra_config)
         self._readers = (ReadThreads(self.io_threads, "hicache-file-read", self._read_error)
                          if self.io_threads > 1 else None)
-        logger.info("file storage: %d read thread(s) (file_io_threads; %d usable CPUs)",
-                    self.io_threads, usable_cpus())
+        logger.info("file storage: %s, %d read thread(s) (file_io_threads; %d usable CPUs)",
+                    self.directory, self.io_threads, usable_cpus())
         self._lru: OrderedDict[str, int] = OrderedDict()  # page hash -> bytes on disk (all kinds)
         self.bytes_used = 0
         self._lock = threading.Lock()  # guards _lru / bytes_used against state() readers
