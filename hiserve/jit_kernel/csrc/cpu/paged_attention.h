@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_avx512.h"
 
 namespace hiserve {
 namespace cpu {
@@ -99,6 +100,15 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   float* m = state;           // [rows]
   float* l = m + rows;        // [rows]
   float* acc = l + rows;      // [rows, Dv]
+#if defined(__AVX512F__)
+  // One query (DECODE) of a small GQA group: the register-blocked path (decode_avx512.h).
+  if (nq == 1 && decode_avx512_fits(G, D, Dv)) {
+    const T* q0 = q + q_starts[it.req] * s.q_row_stride + it.kv_head * G * D;
+    decode_item_avx512(q0, G, D, s.scale, k_buf + it.kv_head * D, v_buf + it.kv_head * Dv, s.k_slot_stride,
+                       s.v_slot_stride, slots + k_begin, k_end - k_begin, m, l, acc);
+    return;
+  }
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
