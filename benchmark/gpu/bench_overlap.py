@@ -246,8 +246,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     serving = {mode: run_mode(args, model_dir, mode, work) for mode in args.modes}
     rows = summarize(decode_rows, serving)
     print(format_table(rows))
-    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": vars(args),
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import base_record  # benchmark/gpu, this script's folder (imports torch)
+
+    record = {**base_record(torch.device(args.device), args),
               "rows": rows, "targets": targets(rows), "decode_rows": decode_rows, "serving": serving}
     print(f"target TPOT/step <= {TARGET_TPOT_OVER_STEP} at concurrency {TARGET_CONCURRENCY} with overlap: "
           f"{'met' if record['targets']['met'] else 'NOT met'} {record['targets']['tpot_over_step']}")

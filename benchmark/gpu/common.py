@@ -153,9 +153,21 @@ def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int, reps: int = 10
     return {"copy_bytes": n, "copy_ms": ms, "hbm_bytes_per_s": 2 * n / (ms * 1e-3)}
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo; platform.processor() elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-                            "cpu_count": os.cpu_count(), "device": str(device)}
+                            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, sm_count=props.multi_processor_count,

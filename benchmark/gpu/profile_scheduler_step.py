@@ -217,8 +217,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         model_path = write_dummy_model(folder, args.shape)
         results = [profile_mode(args, model_path, overlap) for overlap in (False, True)]
     print(format_table(results))
-    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": vars(args), "results": results}
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import base_record  # benchmark/gpu, this script's folder
+
+    record = {**base_record(torch.device(args.device), args), "results": results}
     path = Path(args.out_dir) / f"{args.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
