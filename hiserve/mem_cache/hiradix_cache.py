@@ -311,6 +311,7 @@ class HiRadixCache(HiRadixStorageMixin, RadixCache):
         heap = [(n.last_access_time, n.id, n) for n in self._device_leaves()]
         heapq.heapify(heap)
         free_now: list[torch.Tensor] = []
+        writing: list[tuple[CacheAck, torch.Tensor]] = []  # evicted while their write may still run
         num_evicted = 0
         while num_evicted < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
@@ -322,10 +323,8 @@ class HiRadixCache(HiRadixStorageMixin, RadixCache):
             self._evictable_size -= len(slots)
             num_evicted += len(slots)
             write = self._writing.get(node.id)
-            # agreed across TP ranks: every rank must free (or pend) the same slots
-            if write is not None and not agreed_done([write[1]])[0]:
-                self._pending.append((write[1], slots))
-                self._pending_tokens += len(slots)
+            if write is not None:
+                writing.append((write[1], slots))
             else:
                 free_now.append(slots)
             if node.backuped:
@@ -334,6 +333,14 @@ class HiRadixCache(HiRadixStorageMixin, RadixCache):
                 self._delete_subtree(node)
             if parent is not self.root_node and self._is_device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        # One agreement across TP ranks for all of them (a collective, not one per node): every
+        # rank must free, or pend until the write's ack, the same slots.
+        for (ack, slots), done in zip(writing, agreed_done([ack for ack, _ in writing])):
+            if done:
+                free_now.append(slots)
+            else:
+                self._pending.append((ack, slots))
+                self._pending_tokens += len(slots)
         return torch.cat(free_now) if free_now else empty_slots()
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
