@@ -147,16 +147,13 @@ class SamplingBatchInfo:
         top_ks = [vocab_size if (p.top_k < 0 or p.top_k >= vocab_size) else p.top_k for p in params]
         sampled = [not g for g in greedy]
 
-        def as_tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
         info = cls(
             vocab_size=vocab_size,
-            temperatures=as_tensor(temps, torch.float32).view(bs, 1),
-            top_ps=as_tensor([float(p.top_p) for p in params], torch.float32),
-            top_ks=as_tensor(top_ks, torch.int64),
-            min_ps=as_tensor([float(p.min_p) for p in params], torch.float32),
-            greedy_mask=as_tensor(greedy, torch.bool),
+            temperatures=_as_tensor(temps, torch.float32, device).view(bs, 1),
+            top_ps=_as_tensor([float(p.top_p) for p in params], torch.float32, device),
+            top_ks=_as_tensor(top_ks, torch.int64, device),
+            min_ps=_as_tensor([float(p.min_p) for p in params], torch.float32, device),
+            greedy_mask=_as_tensor(greedy, torch.bool, device),
             is_all_greedy=is_all_greedy,
             need_top_p=any(s and p.top_p < 1.0 for s, p in zip(sampled, params)),
             need_top_k=any(s and k < vocab_size for s, k in zip(sampled, top_ks)),
@@ -170,7 +167,8 @@ class SamplingBatchInfo:
         return info
 
 
-def _as_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _as_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` (one copy)."""
     return torch.tensor(values, dtype=dtype, device=device)
 
 
