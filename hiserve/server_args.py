@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from hiserve.server_args_cuda import resolve_cuda_graph, resolve_overlap
+
 if TYPE_CHECKING:
     from hiserve.hardware import Platform
     from hiserve.models.model_config import ModelConfig
@@ -23,7 +25,6 @@ ATTENTION_BACKENDS = ("cpu_paged", "torch_native", "triton", "fa3")
 _GPU_ATTENTION_BACKENDS = ("triton", "fa3")
 _CPU_ATTENTION_BACKENDS = ("cpu_paged",)
 _FA3_DTYPES = ("bfloat16", "float16")
-_CUDA_DEFAULT_CUDA_GRAPH_MAX_BS = 160
 HICACHE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -130,8 +131,14 @@ class ServerArgs:
         None, "Largest decode batch replayed from a CUDA graph (graphs are captured for 1, 2, 4, 8, "
         "then every 8 up to 128, then every 16); larger batches run eagerly. Default: 160 on CUDA "
         "(capped at --max-running-requests).")
+    cuda_graph_max_extend_tokens: Optional[int] = _arg(
+        None, "Largest EXTEND pass of one request (new prompt tokens, e.g. a follow-up turn after "
+        "a cached prefix) replayed from a CUDA graph; graphs are captured for 8, 16, 32, ... up to "
+        "this, and a pass runs in the smallest that holds it. 0: extend passes always run eagerly. "
+        "Default: 256 on CUDA with --prefill-attention-backend fa3, else 0. (hiserve's own flag.)")
     disable_cuda_graph: bool = _arg(
-        False, "Run decode eagerly instead of replaying CUDA graphs (CUDA only; graphs are never "
+        False, "Run every pass eagerly instead of replaying CUDA graphs (decode, and short extends: "
+        "see --cuda-graph-max-extend-tokens; CUDA only; graphs are never "
         "used on the CPU, nor with a torch_native decode backend).")
     disable_overlap_schedule: bool = _arg(
         False, "Run the scheduler synchronously (prepare, run, read back, process, in turn) instead "
@@ -270,8 +277,8 @@ class ServerArgs:
             self.mem_fraction_static = 0.85
 
         self._resolve_attention(platform)
-        self._resolve_cuda_graph()
-        self._resolve_overlap()
+        resolve_cuda_graph(self)
+        resolve_overlap(self)
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
@@ -425,35 +432,6 @@ class ServerArgs:
         if self.prefill_attention_backend != self.decode_attention_backend:
             logger.info("Attention backends: prefill %s, decode %s",
                         self.prefill_attention_backend, self.decode_attention_backend)
-
-    def _resolve_overlap(self) -> None:
-        """Overlap scheduling: on for CUDA unless disabled, off on the CPU unless forced."""
-        if self.enable_overlap_schedule and self.disable_overlap_schedule:
-            raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
-        if self.device != "cuda" and not self.enable_overlap_schedule and not self.disable_overlap_schedule:
-            self.disable_overlap_schedule = True
-            logger.info("Overlap scheduling off: --device %s (--enable-overlap-schedule forces it on)", self.device)
-
-    def _resolve_cuda_graph(self) -> None:
-        """--cuda-graph-max-bs default, and the cases where decode cannot be captured."""
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.device != "cuda":
-            if not self.disable_cuda_graph:
-                self.disable_cuda_graph = True
-                logger.info("CUDA graphs off: --device %s", self.device)
-            return
-        if self.cuda_graph_max_bs is None:
-            self.cuda_graph_max_bs = _CUDA_DEFAULT_CUDA_GRAPH_MAX_BS
-        if self.disable_cuda_graph:
-            return
-        if self.decode_attention_backend == "torch_native":
-            self.disable_cuda_graph = True
-            logger.info("CUDA graphs off: --decode-attention-backend torch_native cannot be captured "
-                        "(its decode reads per-batch lengths on the host); use triton or fa3 for graphs")
-            return
-        # Mixture-of-experts layers need no rule: while a graph is captured they run densely,
-        # without reading the routing back to the host (hiserve/layers/moe.py).
 
 
 def server_args_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,15 @@
 #   bash benchmark/gpu/h200_session.sh tests        # CUDA-marked tests + transfer/decode benchmarks (~8 min)
 #   bash benchmark/gpu/h200_session.sh e2e          # GPU serving end to end: 500/500 identity (~5 min)
 #   bash benchmark/gpu/h200_session.sh hits         # cold / device-hit / host-hit latency (~6 min)
+#   bash benchmark/gpu/h200_session.sh final-a      # after the last edit: CUDA tests, Llama serving identity,
+#                                                   #   eviction / write-back decode, hit latency page 64 (~9 min)
+#   bash benchmark/gpu/h200_session.sh final-b      # MLA serving identity, write-back bandwidth (~4 min)
+#   bash benchmark/gpu/h200_session.sh issue10      # CUDA-marked tests, hit latency (page 16, 64), decode during
+#                                                   #   eviction write-back (~9 min)
+#   bash benchmark/gpu/h200_session.sh hit-path     # client vs server time of a device hit, py-spy of every
+#                                                   #   process, then hit latency at page 64 (~6 min)
+#   bash benchmark/gpu/h200_session.sh hits-ab      # the CUDA-graph tests, then hit latency with extend graphs
+#                                                   #   (page 16, 64) and without them (page 64) (~9 min)
 #   bash benchmark/gpu/h200_session.sh overlap      # issue 12: client TPOT vs model step, overlap on / off,
 #                                                   #   concurrency 1/16/64/160, bench_decode in the same call (~6-8 min)
 #   bash benchmark/gpu/h200_session.sh overlap-e2e  # GPU serving identity with overlap on (~5 min; "e2e"
@@ -89,6 +98,58 @@ case "${1:-tests}" in
       | tail -30 | tee "$OUT/hit_latency.txt"
     python3 benchmark/gpu/profile_scheduler_step.py --concurrency 160 --name h200_scheduler_step_c160 \
       --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/scheduler_step_c160.txt"
+    ;;
+  hits-ab)
+    # Issue 10 item 10 with extend graphs: their CUDA tests, then hit latency with extend graphs
+    # (page 16 and 64, + in process) and, in the same call, without them (page 64).
+    timeout 200 python3 -m pytest -m cuda test/jit/test_cuda_graph_runner.py test/jit/test_fa3_backend.py -q -x \
+      -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/cuda_graph_tests.txt"
+    timeout 330 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" \
+      2>&1 | tail -60 | tee "$OUT/hit_latency.txt"
+    timeout 200 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --out-dir "$OUT" \
+      --name hit_latency_cuda_llama3-8b_eager_extend --server-args --cuda-graph-max-extend-tokens 0 2>&1 \
+      | tail -12 | tee "$OUT/hit_latency_eager_extend.txt"
+    ;;
+  hit-path)
+    # Where a device hit's time goes (client vs server, py-spy of every process), then hit latency at page 64.
+    timeout 120 python3 -m pytest -m cuda test/jit/test_cuda_graph_runner.py -q -x -p no:cacheprovider 2>&1 \
+      | tail -5 | tee "$OUT/cuda_graph_tests.txt"
+    timeout 240 python3 benchmark/hicache/profile_hit_path.py --lengths 2048 6144 --rate 500 --top 70 \
+      --out-dir "$OUT" 2>&1 | tail -200 | tee "$OUT/hit_path.txt"
+    timeout 200 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --out-dir "$OUT" 2>&1 | tail -12 \
+      | tee "$OUT/hit_latency.txt"
+    ;;
+  issue10)
+    # Issue 10's GPU evidence in one call: the CUDA-marked tests, hit latency (page 16 and 64,
+    # 5 repeats), decode during eviction write-back (paired idle steps).
+    timeout 280 python3 -m pytest -m cuda test/jit test/unit -q -x -p no:cacheprovider 2>&1 | tail -30 \
+      | tee "$OUT/cuda_tests.txt"
+    timeout 240 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --repeats 5 --out-dir "$OUT" \
+      2>&1 | tail -14 | tee "$OUT/hit_latency.txt"
+    timeout 60 python3 benchmark/gpu/bench_decode_during_eviction.py --out-dir "$OUT" 2>&1 | tail -6 \
+      | tee "$OUT/eviction.txt"
+    ;;
+  final-a)
+    # After the last edit, part 1 (one call, ~9 min): CUDA-marked tests, Llama-3-8B serving identity
+    # (500/500 with and without the host tier, overlap on), decode during eviction and during
+    # write-back, hit latency at page 64.
+    timeout 110 python3 -m pytest -m cuda test/jit test/unit -q -x -p no:cacheprovider 2>&1 | tail -4 \
+      | tee "$OUT/cuda_tests.txt"
+    timeout 280 python3 -m pytest -m cuda test/gpu -k llama3 -q -x -p no:cacheprovider 2>&1 | tail -12 \
+      | tee "$OUT/gpu_e2e_llama3.txt"
+    timeout 50 python3 benchmark/gpu/bench_decode_during_eviction.py --out-dir "$OUT" 2>&1 | tail -2 \
+      | tee "$OUT/eviction.txt"
+    timeout 60 python3 benchmark/gpu/bench_decode_during_write_back.py --batch-sizes 16 --repeats 3 \
+      --out-dir "$OUT" 2>&1 | tail -12 | tee "$OUT/write_back_decode.txt"
+    timeout 90 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
+      2>&1 | tail -8 | tee "$OUT/hit_latency.txt"
+    ;;
+  final-b)
+    # Part 2 (~4 min): MLA serving identity (triton), the write-back bandwidth benchmark.
+    timeout 200 python3 -m pytest -m cuda test/gpu -k deepseek -q -x -p no:cacheprovider 2>&1 | tail -12 \
+      | tee "$OUT/gpu_e2e_mla.txt"
+    timeout 80 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
+      | tee "$OUT/write_back.txt"
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \

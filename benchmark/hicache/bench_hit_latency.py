@@ -6,8 +6,13 @@ write_through) answers `/generate` with `input_ids` = prefix + 64 new tokens and
 
     cold         the prefix has never been seen
     device hit   the same prefix again, other 64 new tokens (the prefix is on the device)
-    host hit     the prefix after another prefix of the same length pushed it off the device
-                 (the device pool holds one such prefix; write_through kept a host copy)
+    host hit     the prefix after other prefixes of the same length pushed it off the device
+                 (the device pool holds one longest prefix; write_through kept a host copy);
+                 `host_hit_tokens_from_host` records how many tokens came from the host
+Each timed request is sent after --settle-s of quiet (default 0.3 s): the write-through of
+the requests before it has finished, so a host hit times its own load-back, not waiting
+for the evicted prefix's write to complete (with a pool this small, that write is the
+victim's, and would otherwise be on the path).
 
 In the same process, before the server starts, a pinned host -> device copy of one
 prefix's KV bytes measures the host link: the host-hit target is
@@ -22,13 +27,15 @@ Prints a table and writes JSON under benchmark/results/.
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import torch
@@ -76,13 +83,15 @@ def host_link_bytes_per_s(device: torch.device, nbytes: int, reps: int = 5) -> f
     return nbytes / statistics.median(times[1:])
 
 
-def timed_generate(client: httpx.Client, base: str, ids: list[int]) -> float:
+def timed_generate(client: httpx.Client, base: str, ids: list[int], settle_s: float = 0.0) -> tuple[float, dict]:
+    """(ms, meta_info["cached_tokens_details"]) of one /generate, sent after `settle_s` of quiet."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    time.sleep(settle_s)
     t0 = time.perf_counter()
     r = client.post(base + "/generate", json=body)
     ms = (time.perf_counter() - t0) * 1e3
     r.raise_for_status()
-    return ms
+    return ms, r.json()["meta_info"].get("cached_tokens_details") or {}
 
 
 def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: int) -> list[dict[str, Any]]:
@@ -103,18 +112,24 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
             timed_generate(client, base, [rng.randrange(10, vocab) for _ in range(64)])  # warm-up
             for length in args.lengths:
                 samples: dict[str, list[float]] = {"cold": [], "device_hit": [], "host_hit": []}
+                from_host = []
+                new = lambda: [rng.randrange(10, vocab) for _ in range(NEW_TOKENS)]  # noqa: E731
                 for _ in range(args.repeats):
                     prefix = [rng.randrange(10, vocab) for _ in range(length)]
-                    other = [rng.randrange(10, vocab) for _ in range(length)]
-                    new = lambda: [rng.randrange(10, vocab) for _ in range(NEW_TOKENS)]  # noqa: E731
-                    samples["cold"].append(timed_generate(client, base, prefix + new()))
-                    samples["device_hit"].append(timed_generate(client, base, prefix + new()))
-                    timed_generate(client, base, other + new())  # evicts `prefix` to the host
-                    samples["host_hit"].append(timed_generate(client, base, prefix + new()))
+                    samples["cold"].append(timed_generate(client, base, prefix + new(), args.settle_s)[0])
+                    samples["device_hit"].append(timed_generate(client, base, prefix + new(), args.settle_s)[0])
+                    for _ in range(pool // (length + NEW_TOKENS) + 1):  # enough others to push `prefix` out
+                        timed_generate(client, base, [rng.randrange(10, vocab) for _ in range(length)] + new())
+                    ms, details = timed_generate(client, base, prefix + new(), args.settle_s)
+                    samples["host_hit"].append(ms)
+                    from_host.append(details.get("host", 0))
                     client.post(base + "/flush_cache")
+                if min(from_host) < length // page * page // 2:
+                    print(f"WARNING page {page} L {length}: a host hit loaded only {min(from_host)} tokens "
+                          "from the host", flush=True)
                 row = {"page_size": page, "prefix_tokens": length,
                        **{f"{k}_ms": statistics.median(v) for k, v in samples.items()},
-                       "samples_ms": samples}
+                       "samples_ms": samples, "host_hit_tokens_from_host": from_host}
                 rows.append(row)
                 print(f"page {page:3d}  L {length:6d}  cold {row['cold_ms']:8.1f}  device hit "
                       f"{row['device_hit_ms']:8.1f}  host hit {row['host_hit_ms']:8.1f} ms", flush=True)
@@ -123,9 +138,42 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
     return rows
 
 
+def gpu_timeline(hit: Callable[[], float], out_dir: str) -> dict[str, Any]:
+    """One more device hit under torch.profiler: when the GPU is busy within the hit, and
+    the host-only stretches before, between and after its kernels (chrome trace kept)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("device_hit"):
+            hit()
+    path = Path(out_dir) / "hit_latency_device_hit_trace.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    win = next(e for e in events if e.get("name") == "device_hit" and e.get("cat") == "user_annotation")
+    w0, w1 = win["ts"], win["ts"] + win["dur"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and w0 <= e["ts"] <= w1)
+    busy, gaps, end = 0.0, [], None
+    for a, b in gpu:
+        if end is not None and a > end:
+            gaps.append((a - end, a - w0))
+        busy += max(0.0, b - max(a, end or a))
+        end = b if end is None else max(end, b)
+    cpu_ops = collections.Counter()
+    for e in events:
+        if e.get("cat") == "cpu_op" and w0 <= e["ts"] <= w1:
+            cpu_ops[e["name"]] += 1
+    return {"window_ms": (w1 - w0) / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_items": len(gpu),
+            "host_before_first_gpu_ms": (gpu[0][0] - w0) / 1e3 if gpu else None,
+            "host_after_last_gpu_ms": (w1 - end) / 1e3 if gpu else None,
+            "largest_gaps_ms_at_ms": [(g / 1e3, at / 1e3) for g, at in sorted(gaps, reverse=True)[:8]],
+            "cpu_op_counts_top": cpu_ops.most_common(15), "trace": str(path)}
+
+
 def in_process_profile(args: argparse.Namespace, model_dir: str, page: int, vocab: int) -> dict[str, Any]:
     """The same cases through the scheduler in this process (no HTTP, no tokenizer manager),
-    timed, with a cProfile of the device-hit case: where the host time of a hit goes."""
+    timed, and a cProfile of one more device hit (untimed): where the host time of a hit goes."""
     import cProfile
     import io
     import pstats
@@ -164,17 +212,21 @@ def in_process_profile(args: argparse.Namespace, model_dir: str, page: int, voca
     for _ in range(args.repeats):
         prefix = [rng.randrange(10, vocab) for _ in range(length)]
         out["cold"].append(run(prefix + new()))
-        profile.enable()
         out["device_hit"].append(run(prefix + new()))
-        profile.disable()
         run([rng.randrange(10, vocab) for _ in range(length)] + new())
         out["host_hit"].append(run(prefix + new()))
         sched.flush_cache()
+    prefix = [rng.randrange(10, vocab) for _ in range(length)]  # one more device hit, profiled (not timed)
+    run(prefix + new())
+    profile.enable()
+    run(prefix + new())
+    profile.disable()
+    timeline = gpu_timeline(lambda: run(prefix + new()), args.out_dir) if sched.device.type == "cuda" else None
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
     return {"page_size": page, "prefix_tokens": length,
             **{f"{k}_ms": statistics.median(v) for k, v in out.items()}, "samples_ms": out,
-            "device_hit_profile_top25": text.getvalue()}
+            "device_hit_profile_top25": text.getvalue(), "device_hit_gpu_timeline": timeline}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefix lengths (default: 2048, 6144 and the context limit minus the new tokens)")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle-s", type=float, default=0.3,
+                    help="quiet before each timed request, so earlier requests' write-through is done "
+                    "and a host hit times its own load, not the wait for a victim's write")
     ap.add_argument("--in-process", action="store_true",
                     help="also time the cases through the scheduler in this process, with a profile")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
@@ -221,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"in-process (scheduler only) page {prof['page_size']} L {prof['prefix_tokens']}: cold "
               f"{prof['cold_ms']:.1f}  device hit {prof['device_hit_ms']:.1f}  host hit {prof['host_hit_ms']:.1f} ms")
         print(prof["device_hit_profile_top25"])
+        print("device hit GPU timeline:", json.dumps(prof["device_hit_gpu_timeline"]))
     print(f"\nhost link (pinned H2D) {link / 1e9:.1f} GB/s; targets: device hit <= {DEVICE_HIT_TARGET_MS} ms, "
           f"host hit <= device hit + bytes / ({LINK_FRACTION} x link)")
     print(f"{'page':>5} {'L':>6} {'cold':>8} {'dev hit':>8} {'host hit':>9} {'host target':>11}  met(dev/host)")

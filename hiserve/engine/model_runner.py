@@ -24,6 +24,7 @@ from hiserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from hiserve.engine.cuda_graph_runner import CudaGraphRunner
+    from hiserve.engine.extend_graph_runner import ExtendGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class ModelRunner:
             decode backends differ).
         cuda_graph_runner: the `CudaGraphRunner` replaying DECODE batches, or None (CPU,
             --disable-cuda-graph, or a decode backend without CUDA-graph support).
+        extend_graph_runner: the `ExtendGraphRunner` replaying short one-request EXTEND
+            passes, or None (--cuda-graph-max-extend-tokens 0, or a prefill backend that
+            cannot capture them).
     """
 
     def __init__(self, server_args: ServerArgs, model: tuple[nn.Module, ModelConfig] | None = None):
@@ -133,6 +137,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._grammar = None  # GrammarBackend, built at the first constrained request
         self.cuda_graph_runner = self._create_cuda_graph_runner()
+        self.extend_graph_runner = self._create_extend_graph_runner()
 
     # ------------------------------------------------------------------ memory
     @property
@@ -212,6 +217,19 @@ class ModelRunner:
 
         return CudaGraphRunner(self)
 
+    def _create_extend_graph_runner(self) -> "ExtendGraphRunner | None":
+        max_tokens = self.server_args.cuda_graph_max_extend_tokens or 0
+        if self.device.type != "cuda" or max_tokens == 0:
+            return None
+        if not self.attn_backend.supports_extend_cuda_graph:
+            logger.info("Extend passes run eagerly: the prefill backend cannot capture them")
+            return None
+        from hiserve.engine.extend_graph_runner import ExtendGraphRunner
+
+        decode = self.cuda_graph_runner
+        return ExtendGraphRunner(self.model, self.attn_backend, self.req_to_token_pool, self.token_to_kv_pool,
+                                 max_tokens, graph_pool=None if decode is None else decode.graph_pool)
+
     # ------------------------------------------------------------------ run
     def make_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         """The model-side view of a scheduled batch (pools and backend attached)."""
@@ -273,6 +291,9 @@ class ModelRunner:
             runner = self.cuda_graph_runner
             if runner is not None and runner.can_run(forward_batch):
                 return runner.replay(forward_batch)
+            extend_runner = self.extend_graph_runner
+            if extend_runner is not None and extend_runner.can_run(forward_batch):
+                return extend_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model.forward(forward_batch)
 
@@ -280,6 +301,10 @@ class ModelRunner:
         """`run_forward`, with the layer accessors of the device pool waiting on
         `load_ticket` (the load-back this batch reads) for this forward only."""
         if load_ticket is None:
+            return self.run_forward(forward_batch)
+        extend_runner = self.extend_graph_runner
+        if extend_runner is not None and extend_runner.can_run(forward_batch):
+            load_ticket.wait_all()  # a replay cannot wait per layer: the whole load first
             return self.run_forward(forward_batch)
         self.token_to_kv_pool.register_layer_transfer_counter(load_ticket)
         try:

@@ -147,13 +147,17 @@ class SamplingBatchInfo:
         top_ks = [vocab_size if (p.top_k < 0 or p.top_k >= vocab_size) else p.top_k for p in params]
         sampled = [not g for g in greedy]
 
+        # One host-to-device copy for the five per-row values (top-k as float32 is exact
+        # below 2**24; no vocabulary is that large): a copy costs more than its bytes.
+        rows = _as_tensor([temps, [float(p.top_p) for p in params], top_ks, [float(p.min_p) for p in params],
+                           greedy], torch.float32, device)
         info = cls(
             vocab_size=vocab_size,
-            temperatures=_as_tensor(temps, torch.float32, device).view(bs, 1),
-            top_ps=_as_tensor([float(p.top_p) for p in params], torch.float32, device),
-            top_ks=_as_tensor(top_ks, torch.int64, device),
-            min_ps=_as_tensor([float(p.min_p) for p in params], torch.float32, device),
-            greedy_mask=_as_tensor(greedy, torch.bool, device),
+            temperatures=rows[0].view(bs, 1),
+            top_ps=rows[1],
+            top_ks=rows[2].to(torch.int64),
+            min_ps=rows[3],
+            greedy_mask=rows[4].to(torch.bool),
             is_all_greedy=is_all_greedy,
             need_top_p=any(s and p.top_p < 1.0 for s, p in zip(sampled, params)),
             need_top_k=any(s and k < vocab_size for s, k in zip(sampled, top_ks)),
@@ -168,8 +172,13 @@ class SamplingBatchInfo:
 
 
 def _as_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device` (one copy)."""
-    return torch.tensor(values, dtype=dtype, device=device)
+    """A host list as a tensor on `device` (one copy). On CUDA through pinned memory without
+    waiting: `torch.tensor(..., device=cuda)` would block the host until the copy is done,
+    i.e. until the work queued before it on the stream has run."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _add_penalties(info: "SamplingBatchInfo", params: Sequence[SamplingParams], history,

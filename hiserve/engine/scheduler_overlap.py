@@ -6,7 +6,9 @@ One iteration (`step_overlap`), with batch N in flight:
     drain N first if it must be (below)
     prepare N+1    decode inputs of requests whose token N has not returned yet are
                    future ids, resolved on the device; KV lengths count that token
-    launch N+1     the prefill's requests join the running batch now, so N+2 decodes them
+    launch N+1     the prefill's requests join the running batch now, so N+2 decodes them;
+                   with nothing in flight (an idle device) wait until the worker has queued
+                   N+1's forward, so this thread's bookkeeping does not hold the GIL first
     process N      wait for N's tokens (pinned host copy + event), append, check stops,
                    stream, cache / free KV
     poll the KV hierarchy (transfer acks), as every iteration
@@ -85,6 +87,12 @@ class OverlapSchedulerMixin:
             self._in_flight = batch
             if prev is not None:
                 self.num_overlapped_batches += 1
+            elif self.overlap_worker.is_cuda:
+                # The device is idle: let the worker queue this forward before doing anything
+                # else. The worker needs the GIL to launch it, and this thread would otherwise
+                # keep it for its bookkeeping (acks, stats, the next batch) until it blocks:
+                # ~1-3 ms on an H200 host that the GPU sat idle at the start of a lone request.
+                batch.result.fence()
         if prev is not None:
             self._process_in_flight(prev)
         elif batch is None and self.kv.storage_busy():

@@ -73,6 +73,10 @@ class ForwardBatch:
     # `input_logits`, [len(rows), V] float32); None for passes where no request asks.
     input_logprob_rows: Optional[torch.Tensor] = None
     input_logits: Optional[torch.Tensor] = None
+    # EXTEND under a CUDA graph: [B] int64 T-axis row of each request's last new token, a
+    # static buffer (the logits processor otherwise builds it from extend_seq_lens_cpu, a
+    # host-to-device copy a graph cannot hold).
+    last_token_index: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

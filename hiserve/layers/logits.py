@@ -35,7 +35,9 @@ class LogitsProcessor(nn.Module):
         if rows is not None and forward_batch.forward_mode.is_extend():
             forward_batch.input_logits = self._gather(
                 linear(hidden_states.index_select(0, rows), lm_head_weight)).float()
-        if forward_batch.forward_mode.is_extend() and hidden_states.shape[0] != forward_batch.batch_size:
+        if forward_batch.last_token_index is not None:
+            hidden_states = hidden_states.index_select(0, forward_batch.last_token_index)
+        elif forward_batch.forward_mode.is_extend() and hidden_states.shape[0] != forward_batch.batch_size:
             last, acc = [], 0
             for n in forward_batch.extend_seq_lens_cpu:
                 acc += n

@@ -102,6 +102,12 @@ class LoadTicket:
             return
         torch.cuda.current_stream().wait_event(self.layer_events[layer_id])
 
+    def wait_all(self) -> None:
+        """Make the compute stream wait for every layer (a CUDA-graph replay cannot wait per
+        layer). The layers are copied in order on one stream, so the last event covers all."""
+        if self.layer_events:
+            torch.cuda.current_stream().wait_event(self.layer_events[-1])
+
 
 @dataclass
 class _LoadOp:

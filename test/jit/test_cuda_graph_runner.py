@@ -1,4 +1,4 @@
-"""CUDA-graph DECODE replays give the eager logits (fa3 and triton backends).
+"""CUDA-graph replays give the eager logits: DECODE (fa3 and triton), one-request EXTEND (fa3).
 
 Two real ModelRunners share one small random-weight Llama built from a ModelConfig: one
 replays CUDA graphs (captured for 1, 2, 4, 8, 16, 24), the other runs eagerly, each on its
@@ -231,7 +231,41 @@ def test_load_back_is_waited_for_only_by_its_batch(llama):
     torch.testing.assert_close(out_g, eager.run_forward(fb_e), rtol=2e-2, atol=2e-2)
 
     fb_g, fb_e = drivers["graphed"].extend("r0", [11, 12]), drivers["eager"].extend("r0", [11, 12])
+    xg = graphed.extend_graph_runner
+    assert (xg is not None and xg.can_run(fb_g)) == (backend == "fa3")  # fa3: a replay after wait_all
     out_g = graphed.forward_with_load(fb_g, ticket).clone()
     out_e = eager.run_forward(fb_e)
     torch.testing.assert_close(out_g, out_e, rtol=2e-2, atol=2e-2)
     assert target.layer_transfer_counter is None  # installed for that forward only
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_replayed_extend_logits_equal_eager(llama, page_size):
+    """One-request extends on cached prefixes (1 to 256 new tokens, and 257: eager) replayed
+    from extend graphs give the eager runner's logits, and a decode after each reads the K/V
+    the replay wrote (its logits equal too)."""
+    reason = skip_reason("fa3")
+    if reason is not None:
+        pytest.skip(f"fa3 unavailable: {reason}")
+    graphed = make_runner(llama, "fa3", page_size, graphs=True)
+    eager = make_runner(llama, "fa3", page_size, graphs=False)
+    runner = graphed.extend_graph_runner
+    assert runner is not None and eager.extend_graph_runner is None
+    assert runner.buckets == [8, 16, 32, 64, 128, 256]
+    gen = torch.Generator().manual_seed(3)
+    vocab = HF_CONFIG["vocab_size"]
+    prompts = {f"r{i}": torch.randint(0, vocab, (5 + 61 * i,), generator=gen).tolist() for i in range(4)}
+    drivers = Driver(graphed), Driver(eager)
+    for d in drivers:
+        d.runner.run_forward(d.prefill(prompts))
+    for i, t in enumerate([1, 7, 8, 9, 64, 65, 200, 256, 257]):
+        name = f"r{i % 4}"
+        tokens = torch.randint(0, vocab, (t,), generator=gen).tolist()
+        fb_g, fb_e = drivers[0].extend(name, tokens), drivers[1].extend(name, tokens)
+        assert runner.can_run(fb_g) == (t <= 256)
+        out_g = graphed.run_forward(fb_g).clone()
+        torch.testing.assert_close(out_g, eager.run_forward(fb_e), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"+{t} on {fb_g.seq_lens_cpu[0] - t}: {m}")
+        step = {n: int(x) for n, x in zip(prompts, torch.randint(0, vocab, (4,), generator=gen))}
+        out_g = graphed.run_forward(drivers[0].decode(step)).clone()
+        torch.testing.assert_close(out_g, eager.run_forward(drivers[1].decode(step)), rtol=2e-2, atol=2e-2)

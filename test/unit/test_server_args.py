@@ -204,6 +204,22 @@ def test_cuda_graph_max_bs_must_be_positive(llama):
         resolve(HOPPER_FA3, llama, cuda_graph_max_bs=0)
 
 
+def test_extend_graph_defaults_and_rules(llama, caplog):
+    assert resolve(HOPPER_FA3, llama).cuda_graph_max_extend_tokens == 256
+    assert resolve(HOPPER_FA3, llama, cuda_graph_max_extend_tokens=64).cuda_graph_max_extend_tokens == 64
+    assert resolve(HOPPER_FA3, llama, cuda_graph_max_extend_tokens=0).cuda_graph_max_extend_tokens == 0
+    assert resolve(HOPPER_FA3, llama, disable_cuda_graph=True).cuda_graph_max_extend_tokens == 0
+    assert resolve(CPU, llama).cuda_graph_max_extend_tokens == 0
+    # fa3 decode with a triton prefill: extends cannot be captured, said in the log
+    with caplog.at_level("INFO", logger="hiserve.server_args"):
+        args = resolve(HOPPER_FA3, llama, prefill_attention_backend="triton")
+    assert args.cuda_graph_max_extend_tokens == 0 and "Extend passes run eagerly" in caplog.text
+    with pytest.raises(ValueError, match="--cuda-graph-max-extend-tokens 64 needs --prefill-attention-backend fa3"):
+        resolve(HOPPER_FA3, llama, prefill_attention_backend="triton", cuda_graph_max_extend_tokens=64)
+    with pytest.raises(ValueError, match="--cuda-graph-max-extend-tokens must be >= 0"):
+        resolve(HOPPER_FA3, llama, cuda_graph_max_extend_tokens=-1)
+
+
 # ------------------------------------------------------------------ existing rules stay
 def test_hicache_direct_io_layout_rule_stays(llama):
     args = resolve(HOPPER_FA3, llama, enable_hierarchical_cache=True, hicache_io_backend="direct")

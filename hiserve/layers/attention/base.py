@@ -75,6 +75,30 @@ class AttentionBackend(ABC):
         """seq_len given to padded requests of a replayed batch (they read slot 0, the padding page)."""
         return 1
 
+    # ------------------------------------------------- CUDA graphs of EXTEND
+    # A backend whose EXTEND metadata can live in static buffers sets
+    # `supports_extend_cuda_graph = True`: a graph of N token rows then holds one request's
+    # t < N new tokens plus a padding request with the other N - t rows (on the padding row
+    # of `req_to_token`, writing slot 0), so every captured shape is fixed.
+    supports_extend_cuda_graph: bool = False
+
+    def init_extend_graph_state(self) -> None:
+        """Allocate the static EXTEND metadata of (one request + one padding request)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot capture EXTEND passes")
+
+    def init_forward_metadata_capture_extend_graph(self, num_tokens: int) -> None:
+        """Point the metadata at the static buffers for a capture of `num_tokens` rows."""
+        raise NotImplementedError(f"{type(self).__name__} cannot capture EXTEND passes")
+
+    def init_forward_metadata_replay_extend_graph(
+        self, num_tokens: int, req_pool_index: torch.Tensor, seq_len: torch.Tensor, seq_len_cpu: int,
+        extend_len: int
+    ) -> None:
+        """Refill the static metadata for one request with `extend_len` < `num_tokens` new
+        tokens and `seq_len_cpu` tokens of context (prefix + new) in the graph of
+        `num_tokens` rows; `req_pool_index`/`seq_len`: [1] int64 on the device."""
+        raise NotImplementedError(f"{type(self).__name__} cannot capture EXTEND passes")
+
 
 class RadixAttention(nn.Module):
     """Per-layer attention parameters; the computation is the backend's."""

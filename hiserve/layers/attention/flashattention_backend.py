@@ -18,7 +18,11 @@ in order; that `page_table` and `cache_seqlens` are built once per batch.
   refuses an MLA model (`fa3_supports_mla`).
 
 CUDA graphs: DECODE metadata lives in static buffers (`page_table [max_bs, max pages per
-request]`, `cache_seqlens [max_bs]`), refilled from `req_to_token` before each replay.
+request]`, `cache_seqlens [max_bs]`), refilled from `req_to_token` before each replay. So
+does the EXTEND metadata of one request plus a padding request (`page_table [2, max pages]`,
+`cache_seqlens [2]`, `cu_seqlens_q [3]`; `max_seqlen_q` is the graph's row count, an upper
+bound FA3 only sizes its grid by): the padding request's q length equals its context, its
+page-table row is page 0 (the padding page), so its causal rows read only slot 0's page.
 
 Relies on `flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, qv=,
 cache_seqlens=, page_table=, cu_seqlens_q=, max_seqlen_q=, softmax_scale=, causal=)`
@@ -81,6 +85,7 @@ class FlashAttentionBackend(AttentionBackend):
     """
 
     supports_cuda_graph = True
+    supports_extend_cuda_graph = True
 
     def __init__(self, model_runner: Any, kernel: Callable[..., torch.Tensor] | None = None) -> None:
         uses_fa3 = kernel is None
@@ -117,6 +122,7 @@ class FlashAttentionBackend(AttentionBackend):
         self._meta: FA3Metadata | None = None
         self._graph_page_table: torch.Tensor | None = None
         self._graph_cache_seqlens: torch.Tensor | None = None
+        self._extend_graph_meta: FA3Metadata | None = None
 
     # ---------------------------------------------------------------- metadata
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -234,3 +240,43 @@ class FlashAttentionBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
+
+    # ------------------------------------------------- CUDA graphs of EXTEND
+    def init_extend_graph_state(self) -> None:
+        """Static EXTEND metadata of row 0 (the request) and row 1 (padding, page 0 only)."""
+        dev = self.device
+        self._extend_graph_meta = FA3Metadata(
+            page_table=torch.zeros((2, self.max_pages_per_req), dtype=torch.int32, device=dev),
+            cache_seqlens=torch.ones(2, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.zeros(3, dtype=torch.int32, device=dev), max_seqlen_q=1)
+
+    def _static_extend_meta(self) -> FA3Metadata:
+        if self._extend_graph_meta is None:
+            raise RuntimeError("init_extend_graph_state must run before an extend capture or replay")
+        return self._extend_graph_meta
+
+    def init_forward_metadata_capture_extend_graph(self, num_tokens: int) -> None:
+        meta = self._static_extend_meta()
+        # One token of the request over a one-token context, the padding request the rest.
+        meta.cache_seqlens.copy_(torch.tensor([1, num_tokens - 1], dtype=torch.int32))
+        meta.cu_seqlens_q.copy_(torch.tensor([0, 1, num_tokens], dtype=torch.int32))
+        meta.page_table.zero_()
+        self._meta = FA3Metadata(meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q, num_tokens)
+
+    def init_forward_metadata_replay_extend_graph(
+        self, num_tokens: int, req_pool_index: torch.Tensor, seq_len: torch.Tensor, seq_len_cpu: int,
+        extend_len: int
+    ) -> None:
+        if not 0 < extend_len < num_tokens:
+            raise ValueError(f"an extend of {extend_len} tokens does not fit a graph of {num_tokens} rows "
+                             "(one row at least is the padding request's)")
+        meta = self._static_extend_meta()
+        num_pages = -(-seq_len_cpu // self.page_size)
+        # Only the request's columns; later ones keep old (valid, unread) page ids. Scalar
+        # fills are kernel arguments: nothing here waits for the device.
+        meta.page_table[:1, :num_pages].copy_(self._page_table(req_pool_index, num_pages))
+        meta.cache_seqlens[:1].copy_(seq_len)
+        meta.cache_seqlens[1].fill_(num_tokens - extend_len)
+        meta.cu_seqlens_q[1].fill_(extend_len)
+        meta.cu_seqlens_q[2].fill_(num_tokens)
+        self._meta = FA3Metadata(meta.page_table, meta.cache_seqlens, meta.cu_seqlens_q, num_tokens)

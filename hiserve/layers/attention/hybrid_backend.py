@@ -2,8 +2,9 @@
 `--decode-attention-backend`).
 
 Each pass goes whole to one side, chosen by its forward mode: that side builds the
-batch's metadata and runs every layer. CUDA graphs capture DECODE only, so the graph
-methods and `supports_cuda_graph` are the decode backend's.
+batch's metadata and runs every layer. So the DECODE graph methods and
+`supports_cuda_graph` are the decode backend's, the EXTEND graph methods and
+`supports_extend_cuda_graph` the prefill backend's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class HybridAttnBackend(AttentionBackend):
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
         self.supports_cuda_graph = decode_backend.supports_cuda_graph
+        self.supports_extend_cuda_graph = prefill_backend.supports_extend_cuda_graph
 
     def backend_for(self, forward_batch: ForwardBatch) -> AttentionBackend:
         """The backend that runs this pass."""
@@ -79,3 +81,16 @@ class HybridAttnBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.decode_backend.get_cuda_graph_seq_len_fill_value()
+
+    def init_extend_graph_state(self) -> None:
+        self.prefill_backend.init_extend_graph_state()
+
+    def init_forward_metadata_capture_extend_graph(self, num_tokens: int) -> None:
+        self.prefill_backend.init_forward_metadata_capture_extend_graph(num_tokens)
+
+    def init_forward_metadata_replay_extend_graph(
+        self, num_tokens: int, req_pool_index: torch.Tensor, seq_len: torch.Tensor, seq_len_cpu: int,
+        extend_len: int
+    ) -> None:
+        self.prefill_backend.init_forward_metadata_replay_extend_graph(
+            num_tokens, req_pool_index, seq_len, seq_len_cpu, extend_len)
