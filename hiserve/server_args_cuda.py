@@ -52,20 +52,21 @@ def resolve_cuda_graph(args: "ServerArgs") -> None:
         return
     if args.cuda_graph_max_bs is None:
         args.cuda_graph_max_bs = CUDA_DEFAULT_CUDA_GRAPH_MAX_BS
-    _resolve_extend_graphs(args, asked)
-    if args.disable_cuda_graph:
-        return
-    if args.decode_attention_backend == "torch_native":
+    if not args.disable_cuda_graph and args.decode_attention_backend == "torch_native":
         args.disable_cuda_graph = True
         logger.info("CUDA graphs off: --decode-attention-backend torch_native cannot be captured "
                     "(its decode reads per-batch lengths on the host); use triton or fa3 for graphs")
-    # Mixture-of-experts layers need no rule: while a graph is captured they run densely,
-    # without reading the routing back to the host (hiserve/layers/moe.py).
+    # Mixture-of-experts layers need no rule for decode graphs: while a graph is captured they
+    # run densely, without reading the routing back to the host (hiserve/layers/moe.py).
+    _resolve_extend_graphs(args, asked)
 
 
 def _resolve_extend_graphs(args: "ServerArgs", asked: int | None) -> None:
-    """Extend graphs need graphs on and a prefill backend with static varlen metadata (fa3)."""
+    """Extend graphs need graphs on and a prefill backend with static varlen metadata (fa3);
+    a mixture-of-experts model gets them only when asked for."""
     if args.disable_cuda_graph:
+        if asked:
+            logger.info("--cuda-graph-max-extend-tokens %d ignored: CUDA graphs are off", asked)
         args.cuda_graph_max_extend_tokens = 0
         return
     if args.prefill_attention_backend != "fa3":
@@ -77,5 +78,13 @@ def _resolve_extend_graphs(args: "ServerArgs", asked: int | None) -> None:
                     "varlen metadata (fa3 has)",
                     args.prefill_attention_backend)
         return
-    if asked is None:
-        args.cuda_graph_max_extend_tokens = CUDA_DEFAULT_CUDA_GRAPH_MAX_EXTEND_TOKENS
+    if asked is not None:
+        return
+    if args.model_config().n_routed_experts:
+        # Under a graph the routed experts run densely (every expert on every token, see
+        # layers/moe.py): cheap for a decode batch, E/k times the expert work for 257 rows.
+        args.cuda_graph_max_extend_tokens = 0
+        logger.info("Extend passes run eagerly: a mixture-of-experts model would run every expert on "
+                    "every token under a graph (--cuda-graph-max-extend-tokens N asks for it anyway)")
+        return
+    args.cuda_graph_max_extend_tokens = CUDA_DEFAULT_CUDA_GRAPH_MAX_EXTEND_TOKENS

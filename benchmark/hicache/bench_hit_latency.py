@@ -150,7 +150,9 @@ def gpu_timeline(hit: Callable[[], float], out_dir: str) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
-    win = next(e for e in events if e.get("name") == "device_hit" and e.get("cat") == "user_annotation")
+    win = next((e for e in events if e.get("name") == "device_hit" and e.get("cat") == "user_annotation"), None)
+    if win is None:
+        raise RuntimeError(f"no 'device_hit' annotation in the profiler trace {path}")
     w0, w1 = win["ts"], win["ts"] + win["dur"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and w0 <= e["ts"] <= w1)

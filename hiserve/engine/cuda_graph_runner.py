@@ -14,9 +14,10 @@ refill its own static metadata, and replays.
 - All graphs share one memory pool and are captured largest first, so the smaller ones
   reuse the largest one's memory.
 - Sampling stays outside the graph (it reads per-request settings on the host).
-- Host -> device load-back never concerns a replay: only the EXTEND batch that reads a
-  load-back waits for it (per layer, eagerly), and decode batches carry no load, so a
-  replay waits for nothing and the compute stream's order covers earlier loads.
+- Host -> device load-back never concerns a decode replay: only the EXTEND batch that reads
+  a load-back waits for it (per layer when eager, as a whole before an extend-graph replay:
+  extend_graph_runner.py), and decode batches carry no load, so a decode replay waits for
+  nothing and the compute stream's order covers earlier loads.
 
 The logits a replay returns are a view of the graph's output buffer: valid until the next replay.
 """

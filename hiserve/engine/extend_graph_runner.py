@@ -171,6 +171,8 @@ class ExtendGraphRunner:
 
         Returns:
             float32 logits `[1, vocab]`, a view of a static output (valid until the next replay).
+        Raises:
+            IndexError: more new tokens than the largest bucket (`can_run` says False).
         """
         t = forward_batch.num_tokens
         rows = self.buckets[bisect.bisect_left(self.buckets, t)] + 1

@@ -259,7 +259,8 @@ class ModelRunner:
         For EXTEND passes where a request owes prompt logprobs, `batch.input_logits` receives
         the logits of those positions. Grammar masks of constrained requests are built in a
         worker thread while the pass runs (started here unless `batch.grammar_started`). A
-        batch that reads a load-back waits for it per layer (`forward_with_load`).
+        batch that reads a load-back waits for it per layer, or as a whole before an extend
+        graph replay (`forward_with_load`).
         """
         fb = self.make_forward_batch(batch)
         self.prepare_input_logprobs(batch)
@@ -286,7 +287,8 @@ class ModelRunner:
 
     def run_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] float32 of one pass: DECODE batches the CUDA-graph runner can take
-        are replayed (the result is then valid until the next replay), the rest run eagerly."""
+        and one-request extends the extend-graph runner can take are replayed (the result is
+        then valid until the next replay), the rest run eagerly."""
         with torch.inference_mode():
             runner = self.cuda_graph_runner
             if runner is not None and runner.can_run(forward_batch):

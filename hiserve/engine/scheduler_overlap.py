@@ -92,7 +92,7 @@ class OverlapSchedulerMixin:
                 # else. The worker needs the GIL to launch it, and this thread would otherwise
                 # keep it for its bookkeeping (acks, stats, the next batch) until it blocks:
                 # ~1-3 ms on an H200 host that the GPU sat idle at the start of a lone request.
-                batch.result.fence()
+                batch.result.wait_forward_queued()
         if prev is not None:
             self._process_in_flight(prev)
         elif batch is None and self.kv.storage_busy():

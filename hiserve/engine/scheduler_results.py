@@ -65,12 +65,14 @@ class SchedulerResultsMixin:
         if req is not None and not req.finished:
             self.kv.cache(req, finished=False)
             req.fill_ids = req.origin_input_ids + req.output_ids
-        self._send_outputs(taken)
-        # After the replies: caching a finished prompt (a tree insert, and with a host tier
-        # the start of its write-through) is off the path of its answer (a one-token
-        # follow-up on a cached prefix is answered ~1 ms sooner on an H200).
-        for req in done:
-            self._free_req_kv(req, cache=True)
+        try:
+            self._send_outputs(taken)
+        finally:
+            # After the replies: caching a finished prompt (a tree insert, and with a host
+            # tier the start of its write-through) is off the path of its answer (a one-token
+            # follow-up on a cached prefix is answered ~1 ms sooner on an H200).
+            for req in done:
+                self._free_req_kv(req, cache=True)
 
     def process_decode_tokens(self, batch: ScheduleBatch, result: SampleResult) -> None:
         taken = [req for row, req in enumerate(batch.reqs) if self._take_token(req, row, result)]

@@ -43,6 +43,7 @@ class ForwardResult:
 
     def __init__(self) -> None:
         self._queued = threading.Event()  # the worker has queued (CPU: finished) all of the work
+        self._forward_queued = threading.Event()  # ... the forward at least (set with _queued at the latest)
         self._done_event: Optional[torch.cuda.Event] = None
         self._host: Optional[SampleOutput] = None
         self._logprob_rows: list[int] = []
@@ -55,10 +56,17 @@ class ForwardResult:
              done_event: Optional[torch.cuda.Event]) -> None:
         self._host, self._logprob_rows, self._done_event = host, logprob_rows, done_event
         self._queued.set()
+        self._forward_queued.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._queued.set()
+        self._forward_queued.set()
+
+    def wait_forward_queued(self) -> None:
+        """Block until the worker has queued this batch's forward (or failed; `fence` and
+        `wait` raise the error). Blocking here hands the GIL to the worker."""
+        self._forward_queued.wait()
 
     def fence(self) -> Optional[torch.cuda.Event]:
         """Block until the worker has queued this batch (CPU: finished it); returns the CUDA
@@ -151,6 +159,7 @@ class OverlapWorker:
         if batch.has_future_ids:
             batch.input_ids = self._resolve_future_ids(batch.input_ids)
         logits = self.runner.forward(batch)
+        result._forward_queued.set()
         host, rows = None, []
         if plan is not None:
             out = self.runner.sample_on_device(logits, batch.sampled_reqs, plan)

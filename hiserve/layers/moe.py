@@ -15,7 +15,8 @@ tokens routed to it. Finding the hit experts reads the routing back to the host,
 CUDA graph cannot capture; while a capture is in progress (decode under CUDA graphs) the
 experts instead run densely, every expert on every token with the routing weights as a
 dense `[T, E]` matrix (zero for experts a token did not pick): fixed shapes, no host
-sync, E/k times the expert FLOPs, which is cheap at decode batch sizes.
+sync, E/k times the expert FLOPs, which is cheap at decode batch sizes (and why extend
+graphs, up to 257 rows, are off by default for these models: server_args_cuda.py).
 
 Under tensor parallelism every expert is split along its intermediate dimension (each rank
 I / tp gate, up and down columns of every expert: Megatron's MLP split per expert); the

@@ -218,6 +218,18 @@ def test_extend_graph_defaults_and_rules(llama, caplog):
         resolve(HOPPER_FA3, llama, prefill_attention_backend="triton", cuda_graph_max_extend_tokens=64)
     with pytest.raises(ValueError, match="--cuda-graph-max-extend-tokens must be >= 0"):
         resolve(HOPPER_FA3, llama, cuda_graph_max_extend_tokens=-1)
+    # a torch_native decode turns every graph off, extend graphs included
+    args = resolve(HOPPER_FA3, llama, prefill_attention_backend="fa3", decode_attention_backend="torch_native")
+    assert args.disable_cuda_graph is True and args.cuda_graph_max_extend_tokens == 0
+
+
+def test_moe_model_extends_run_eagerly_unless_asked(moe, caplog):
+    """Under a graph the routed experts run densely: E/k times the work for 257 rows."""
+    with caplog.at_level(logging.INFO, logger="hiserve.server_args"):
+        assert resolve(HOPPER_FA3_MLA, moe, attention_backend="fa3").cuda_graph_max_extend_tokens == 0
+    assert "mixture-of-experts" in caplog.text
+    args = resolve(HOPPER_FA3_MLA, moe, attention_backend="fa3", cuda_graph_max_extend_tokens=64)
+    assert args.cuda_graph_max_extend_tokens == 64 and args.disable_cuda_graph is False
 
 
 # ------------------------------------------------------------------ existing rules stay

@@ -96,7 +96,11 @@ class AttentionBackend(ABC):
     ) -> None:
         """Refill the static metadata for one request with `extend_len` < `num_tokens` new
         tokens and `seq_len_cpu` tokens of context (prefix + new) in the graph of
-        `num_tokens` rows; `req_pool_index`/`seq_len`: [1] int64 on the device."""
+        `num_tokens` rows; `req_pool_index`/`seq_len`: [1] int64 on the device.
+
+        Raises:
+            ValueError: `extend_len` leaves no row for the padding request.
+        """
         raise NotImplementedError(f"{type(self).__name__} cannot capture EXTEND passes")
 
 

@@ -256,6 +256,11 @@ class FlashAttentionBackend(AttentionBackend):
         return self._extend_graph_meta
 
     def init_forward_metadata_capture_extend_graph(self, num_tokens: int) -> None:
+        """Static metadata for capturing a graph of `num_tokens` rows (request: 1 token).
+
+        Raises:
+            RuntimeError: `init_extend_graph_state` has not run.
+        """
         meta = self._static_extend_meta()
         # One token of the request over a one-token context, the padding request the rest.
         meta.cache_seqlens.copy_(torch.tensor([1, num_tokens - 1], dtype=torch.int32))
@@ -267,6 +272,12 @@ class FlashAttentionBackend(AttentionBackend):
         self, num_tokens: int, req_pool_index: torch.Tensor, seq_len: torch.Tensor, seq_len_cpu: int,
         extend_len: int
     ) -> None:
+        """Refill the static metadata for one request (see the base class).
+
+        Raises:
+            ValueError: `extend_len` is not in [1, num_tokens - 1] (the padding request needs a row).
+            RuntimeError: `init_extend_graph_state` has not run.
+        """
         if not 0 < extend_len < num_tokens:
             raise ValueError(f"an extend of {extend_len} tokens does not fit a graph of {num_tokens} rows "
                              "(one row at least is the padding request's)")
