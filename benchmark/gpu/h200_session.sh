@@ -5,7 +5,8 @@
 #   bash benchmark/gpu/h200_session.sh hits         # cold / device-hit / host-hit latency (~6 min)
 #   bash benchmark/gpu/h200_session.sh final-a      # after the last edit: CUDA tests, Llama serving identity,
 #                                                   #   eviction / write-back decode, hit latency page 64 (~9 min)
-#   bash benchmark/gpu/h200_session.sh final-b      # MLA serving identity, write-back bandwidth (~4 min)
+#   bash benchmark/gpu/h200_session.sh final-b      # MLA serving identity, write-back bandwidth, hit latency
+#                                                   #   page 64 again (its JSON; at most 8 files come back) (~6 min)
 #   bash benchmark/gpu/h200_session.sh issue10      # CUDA-marked tests, hit latency (page 16, 64), decode during
 #                                                   #   eviction write-back (~9 min)
 #   bash benchmark/gpu/h200_session.sh hit-path     # client vs server time of a device hit, py-spy of every
@@ -148,8 +149,10 @@ case "${1:-tests}" in
     # Part 2 (~4 min): MLA serving identity (triton), the write-back bandwidth benchmark.
     timeout 200 python3 -m pytest -m cuda test/gpu -k deepseek -q -x -p no:cacheprovider 2>&1 | tail -12 \
       | tee "$OUT/gpu_e2e_mla.txt"
-    timeout 80 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
+    timeout 60 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
       | tee "$OUT/write_back.txt"
+    timeout 100 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
+      --name h200_hit_latency_final >/dev/null 2>&1
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \
