@@ -135,7 +135,9 @@ class ServerArgs:
         None, "Largest EXTEND pass of one request (new prompt tokens, e.g. a follow-up turn after "
         "a cached prefix) replayed from a CUDA graph; graphs are captured for 8, 16, 32, ... up to "
         "this, and a pass runs in the smallest that holds it. 0: extend passes always run eagerly. "
-        "Default: 256 on CUDA with --prefill-attention-backend fa3, else 0. (hiserve's own flag.)")
+        "Default: 256 on CUDA with --prefill-attention-backend fa3, else 0 (also 0 for mixture-of-"
+        "experts models, whose experts would run densely under a graph; a value > 0 asks anyway). "
+        "Needs fa3 for prefill; ignored on the CPU. (hiserve's own flag.)")
     disable_cuda_graph: bool = _arg(
         False, "Run every pass eagerly instead of replaying CUDA graphs (decode, and short extends: "
         "see --cuda-graph-max-extend-tokens; CUDA only; graphs are never "

@@ -48,6 +48,9 @@ def resolve_cuda_graph(args: "ServerArgs") -> None:
         if not args.disable_cuda_graph:
             args.disable_cuda_graph = True
             logger.info("CUDA graphs off: --device %s", args.device)
+        if asked:
+            logger.info("--cuda-graph-max-extend-tokens %d ignored: --device %s has no CUDA graphs",
+                        asked, args.device)
         args.cuda_graph_max_extend_tokens = 0
         return
     if args.cuda_graph_max_bs is None:
