@@ -84,14 +84,14 @@ def host_link_bytes_per_s(device: torch.device, nbytes: int, reps: int = 5) -> f
 
 
 def timed_generate(client: httpx.Client, base: str, ids: list[int], settle_s: float = 0.0) -> tuple[float, dict]:
-    """(ms, meta_info["cached_tokens_details"]) of one /generate, sent after `settle_s` of quiet."""
+    """(client ms, the reply's `meta_info`) of one greedy one-token /generate, sent after `settle_s` of quiet."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     time.sleep(settle_s)
     t0 = time.perf_counter()
     r = client.post(base + "/generate", json=body)
     ms = (time.perf_counter() - t0) * 1e3
     r.raise_for_status()
-    return ms, r.json()["meta_info"].get("cached_tokens_details") or {}
+    return ms, r.json()["meta_info"]
 
 
 def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: int) -> list[dict[str, Any]]:
@@ -120,9 +120,9 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
                     samples["device_hit"].append(timed_generate(client, base, prefix + new(), args.settle_s)[0])
                     for _ in range(pool // (length + NEW_TOKENS) + 1):  # enough others to push `prefix` out
                         timed_generate(client, base, [rng.randrange(10, vocab) for _ in range(length)] + new())
-                    ms, details = timed_generate(client, base, prefix + new(), args.settle_s)
+                    ms, meta = timed_generate(client, base, prefix + new(), args.settle_s)
                     samples["host_hit"].append(ms)
-                    from_host.append(details.get("host", 0))
+                    from_host.append((meta.get("cached_tokens_details") or {}).get("host", 0))
                     client.post(base + "/flush_cache")
                 if min(from_host) < length // page * page // 2:
                     print(f"WARNING page {page} L {length}: a host hit loaded only {min(from_host)} tokens "

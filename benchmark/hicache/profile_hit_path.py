@@ -37,27 +37,18 @@ from typing import Any
 import httpx
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-for p in (REPO_ROOT, REPO_ROOT / "benchmark" / "gpu", REPO_ROOT / "test" / "e2e"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hit_latency import NEW_TOKENS, REPO_ROOT, timed_generate  # noqa: E402  (sets sys.path too)
 from common import base_record, write_record  # noqa: E402
 from server import kill, popen_launch_server  # noqa: E402
 
 from hiserve.testing.dummy_model import SHAPES, write_dummy_model  # noqa: E402
 
-NEW_TOKENS = 64
-
 
 def hit(client: httpx.Client, base: str, ids: list[int]) -> tuple[float, float]:
     """(client ms, server e2e ms) of one /generate."""
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-    t0 = time.perf_counter()
-    r = client.post(base + "/generate", json=body)
-    ms = (time.perf_counter() - t0) * 1e3
-    r.raise_for_status()
-    return ms, r.json()["meta_info"]["e2e_latency"] * 1e3
+    ms, meta = timed_generate(client, base, ids)
+    return ms, meta["e2e_latency"] * 1e3
 
 
 def summarize_stacks(raw: str, top: int) -> dict[str, list[tuple[str, int]]]:

@@ -43,7 +43,7 @@ class ForwardResult:
 
     def __init__(self) -> None:
         self._queued = threading.Event()  # the worker has queued (CPU: finished) all of the work
-        self._forward_queued = threading.Event()  # ... the forward at least (set with _queued at the latest)
+        self._forward_queued = threading.Event()  # ... its forward at least (set before _queued)
         self._done_event: Optional[torch.cuda.Event] = None
         self._host: Optional[SampleOutput] = None
         self._logprob_rows: list[int] = []
@@ -56,7 +56,6 @@ class ForwardResult:
              done_event: Optional[torch.cuda.Event]) -> None:
         self._host, self._logprob_rows, self._done_event = host, logprob_rows, done_event
         self._queued.set()
-        self._forward_queued.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
