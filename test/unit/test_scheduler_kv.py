@@ -1,5 +1,6 @@
-"""The scheduler through the KV manager: retraction with and without the host tier, and one
-request's failing output update isolated from the rest of its batch (real model, CPU)."""
+"""The scheduler through the KV manager: retraction with and without the host tier, one
+request's failing output update isolated from the rest of its batch, and a failed reply that
+still gives finished requests' KV back (real model, CPU)."""
 
 from __future__ import annotations
 
@@ -56,4 +57,28 @@ def test_one_failing_update_ends_only_its_request():
     assert outs["bad"][1]["type"] == "abort" and outs["bad"][1]["status_code"] == 500
     assert "Internal error" in outs["bad"][1]["message"]
     assert outs["good"][1]["type"] == "length" and len(outs["good"][0]) == 8
+    assert_no_leak(sched)
+
+
+def test_a_failed_reply_still_caches_finished_prompts():
+    """Finished prompts are cached after their replies are sent; when sending raises, the
+    finished requests still give their KV back (row and slots), with the host tier on."""
+    sched = make_scheduler(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    sched.add_request(TokenizedGenerateReqInput(rid="one", input_ids=chat_ids(sched, PROMPTS[0]),
+                                                sampling_params=SamplingParams(max_new_tokens=1, temperature=0)))
+
+    def broken_send(reqs: list) -> None:
+        raise ConnectionError("detokenizer gone")
+
+    sched._send_outputs = broken_send
+    try:
+        while sched.has_work():
+            sched.step()
+    except ConnectionError:
+        pass
+    else:
+        raise AssertionError("the reply's failure did not reach the loop")
+    sched.kv.check_integrity()
+    assert sched.kv.rtt.available_size() == sched.model_runner.max_running_requests  # the row came back
+    del sched._send_outputs
     assert_no_leak(sched)

@@ -96,7 +96,6 @@ def parse_extra_config(text: str | None) -> dict:
     return config
 
 
-
 def check_extra_config(backend: str, extra_config: dict) -> None:
     """Check `backend`'s own extra-config values that need no connection (the `file` size cap
     and read threads; a mooncake master is reached only at start-up) and log a warning naming
