@@ -100,7 +100,7 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   float* m = state;           // [rows]
   float* l = m + rows;        // [rows]
   float* acc = l + rows;      // [rows, Dv]
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   // One query (DECODE) of a small GQA group: the register-blocked path (decode_avx512.h).
   if (nq == 1 && decode_avx512_fits(G, D, Dv)) {
     const T* q0 = q + q_starts[it.req] * s.q_row_stride + it.kv_head * G * D;
