@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -32,6 +33,7 @@ constexpr int64_t kKeyTile = 64;       // keys converted to float and scored tog
 constexpr int64_t kMinSplitKeys = 256; // a split shorter than this costs more to merge than it saves
 constexpr int64_t kMaxSplits = 32;
 constexpr int64_t kTransposeMinRows = 8;  // rows of an item from which the K tile is transposed
+constexpr int64_t kMaxMergeDim = 1024;    // v head dim bound (merge_splits' stack row)
 
 struct AttnItem {
   int64_t req, q_block, kv_head, split, num_splits;
@@ -76,10 +78,15 @@ inline std::vector<AttnItem> plan_items(const AttnShape& s, const int64_t* req_p
   return items;
 }
 
-// Partial state of one work item: per row (query, head of the group) the running max,
-// the running sum of exp(score - max), and the unnormalised output [Dv].
+// Float scratch of the portable path, per thread. Sized on first use: a DECODE batch on the
+// AVX-512 path never needs it, and zero-filling ~45 KB per call showed up as a top entry
+// (memset) of a B = 16, ctx = 1 profile (per-call overhead, paid once per layer).
 struct Scratch {
   std::vector<float> q, k, v, p;
+  void reserve(int64_t rows, int64_t D, int64_t Dv) {
+    if (!p.empty()) return;
+    q.resize(rows * D), k.resize(kKeyTile * D), v.resize(kKeyTile * Dv), p.resize(kKeyTile);
+  }
 };
 
 template <typename T>
@@ -109,6 +116,7 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
     return;
   }
 #endif
+  w.reserve(kQueryBlock * G, D, Dv);
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
@@ -188,6 +196,8 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
 }
 
 // Combine the splits of one (request, query block, KV head) and write the output rows.
+// Partial state of a work item: per row (query, head of the group) the running max, the
+// running sum of exp(score - max), and the unnormalised output [Dv].
 template <typename T>
 void merge_splits(const AttnItem& first, const AttnShape& s, const int64_t* q_starts, const float* states,
                   int64_t state_size, T* out) {
@@ -196,24 +206,26 @@ void merge_splits(const AttnItem& first, const AttnShape& s, const int64_t* q_st
   const int64_t i0 = first.q_block * kQueryBlock;
   const int64_t nq = std::min(kQueryBlock, n - i0);
   const int64_t rows = nq * G;
-  std::vector<float> o(Dv);
+  float o[kMaxMergeDim];
   for (int64_t r = 0; r < rows; ++r) {
     float M = -std::numeric_limits<float>::infinity();
     for (int64_t sp = 0; sp < first.num_splits; ++sp) M = std::max(M, states[sp * state_size + r]);
     float L = 0.f;
-    std::fill(o.begin(), o.end(), 0.f);
+    std::fill(o, o + Dv, 0.f);
     for (int64_t sp = 0; sp < first.num_splits; ++sp) {
       const float* st = states + sp * state_size;
       if (st[r] == -std::numeric_limits<float>::infinity()) continue;  // split saw no key of this row
       const float wgt = fast_exp(st[r] - M);
       L += st[rows + r] * wgt;
       const float* acc = st + 2 * rows + r * Dv;
+#pragma omp simd
       for (int64_t d = 0; d < Dv; ++d) o[d] += acc[d] * wgt;
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     const int64_t token = q_starts[first.req] + i0 + r / G;
     const int64_t head = first.kv_head * G + r % G;
     T* dst = out + (token * s.num_q_heads + head) * Dv;
+#pragma omp simd
     for (int64_t d = 0; d < Dv; ++d) dst[d] = from_float<T>(o[d] * inv);
   }
 }
@@ -226,16 +238,20 @@ void paged_attention(const AttnShape& s, const T* q, const T* k_buf, const T* v_
   for (int64_t b = 0; b < s.num_reqs; ++b)
     macs += (q_starts[b + 1] - q_starts[b]) * seq_lens[b] * s.num_q_heads * (s.head_dim + s.v_head_dim);
   if (macs < 8 * kGrainSize) num_threads = 1;
+  require(s.v_head_dim <= kMaxMergeDim, "v head dim above 1024");
   const bool parallel = num_threads > 1;
   const std::vector<AttnItem> items = plan_items(s, req_pool_indices, seq_lens, q_starts, num_threads);
   const int64_t G = s.num_q_heads / s.num_kv_heads;
-  const int64_t state_size = kQueryBlock * G * (2 + s.v_head_dim);
-  std::vector<float> states(items.size() * state_size);
+  int64_t max_new = 1;
+  for (int64_t b = 0; b < s.num_reqs; ++b) max_new = std::max(max_new, q_starts[b + 1] - q_starts[b]);
+  // Rows of the largest item (DECODE: G), not kQueryBlock * G; left uninitialised (every item
+  // writes the rows it owns): zero-filling 16x too much was the top of a ctx = 1 profile.
+  const int64_t state_size = std::min(kQueryBlock, max_new) * G * (2 + s.v_head_dim);
+  std::unique_ptr<float[]> states(new float[items.size() * state_size]);
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
-    Scratch w{std::vector<float>(kQueryBlock * G * s.head_dim), std::vector<float>(kKeyTile * s.head_dim),
-              std::vector<float>(kKeyTile * s.v_head_dim), std::vector<float>(kKeyTile)};
+    Scratch w;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i)
       attend_item(items[i], s, q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, q_starts,
