@@ -29,6 +29,12 @@
 #   bash benchmark/gpu/h200_session.sh owed         # what session 5 left for the next GPU session: decode during
 #                                                   #   eviction with paired idle steps, hit latency (page 64),
 #                                                   #   overlap at concurrency 160 with a step profile (~8 min)
+#   bash benchmark/gpu/h200_session.sh s7-probe     # hit latency page 64 with overlap on / off; issue 12 at
+#                                                   #   concurrency 1 and 16 with one prefill per wave (~8 min)
+#   bash benchmark/gpu/h200_session.sh s7-final-a   # after the last GPU-path edit: CUDA tests, Llama serving
+#                                                   #   identity, decode during eviction / write-back (~8 min)
+#   bash benchmark/gpu/h200_session.sh s7-final-b   # MLA serving identity, write-back bandwidth, hit latency
+#                                                   #   page 64 incl. the page-aligned limit (~7 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
 # project's missing wheels installed (README of benchmark/gpu).
@@ -153,6 +159,39 @@ case "${1:-tests}" in
       | tee "$OUT/write_back.txt"
     timeout 100 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
       --name h200_hit_latency_final >/dev/null 2>&1
+    ;;
+  s7-probe)
+    # Session 7: device/host hit latency at page 64 with the overlap scheduler (default) and without it
+    # (a lone request's hand-off to the worker thread), then issue 12's concurrency 1 and 16 with every
+    # prompt of the wave in one prefill batch (--chunked-prefill-size 16384), bench_decode in the same call.
+    timeout 110 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
+      --name h200_hit_latency_s7 2>&1 | tail -8
+    timeout 110 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
+      --name h200_hit_latency_s7_no_overlap --server-args --disable-overlap-schedule 2>&1 | tail -8
+    timeout 260 python3 benchmark/gpu/bench_overlap.py --concurrency 1 16 --num-prompts 16 --modes overlap \
+      --server-extra "--chunked-prefill-size 16384" --name h200_overlap_one_wave_s7 --out-dir "$OUT" 2>&1 | tail -16
+    ;;
+  s7-final-a)
+    # Session 7, after the last edit of GPU-path code, part 1: CUDA-marked tests, Llama-3-8B serving
+    # identity (500/500 with and without the host tier, overlap on), decode during eviction / write-back.
+    timeout 110 python3 -m pytest -m cuda test/jit test/unit -q -x -p no:cacheprovider 2>&1 | tail -4 \
+      | tee "$OUT/cuda_tests.txt"
+    timeout 280 python3 -m pytest -m cuda test/gpu -k llama3 -q -x -p no:cacheprovider 2>&1 | tail -12 \
+      | tee "$OUT/gpu_e2e_llama3.txt"
+    timeout 50 python3 benchmark/gpu/bench_decode_during_eviction.py --out-dir "$OUT" 2>&1 | tail -2 \
+      | tee "$OUT/eviction.txt"
+    timeout 60 python3 benchmark/gpu/bench_decode_during_write_back.py --batch-sizes 16 --repeats 3 \
+      --out-dir "$OUT" 2>&1 | tail -12 | tee "$OUT/write_back_decode.txt"
+    ;;
+  s7-final-b)
+    # Part 2: MLA serving identity (triton), write-back bandwidth, hit latency at page 64 (2K, 6K, the
+    # longest page-aligned prefix, the context limit).
+    timeout 200 python3 -m pytest -m cuda test/gpu -k deepseek -q -x -p no:cacheprovider 2>&1 | tail -12 \
+      | tee "$OUT/gpu_e2e_mla.txt"
+    timeout 60 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
+      | tee "$OUT/write_back.txt"
+    timeout 170 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
+      --name h200_hit_latency_s7_final 2>&1 | tail -9
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \

@@ -309,12 +309,15 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
                 return True
         return False
 
-    def _to_device(self, values: list[int] | torch.Tensor) -> torch.Tensor:
-        """int64 on the model's device; from pinned memory without blocking on CUDA."""
-        t = torch.as_tensor(values, dtype=torch.int64)
+    def _to_device(self, *values: list[int] | torch.Tensor) -> list[torch.Tensor]:
+        """Each of `values` as int64 on the model's device. On CUDA they travel as one pinned
+        buffer in one non-blocking copy (the host does not wait; each copy costs a pinned
+        allocation and a launch, more than these few bytes) and come back as views of it."""
+        parts = [torch.as_tensor(v, dtype=torch.int64) for v in values]
         if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+            return parts
+        flat = torch.cat(parts).pin_memory().to(self.device, non_blocking=True)
+        return list(flat.split([p.numel() for p in parts]))
 
     def prepare_extend(self, reqs: list[Req]) -> ScheduleBatch:
         prefix_lens = [r.kv.prefix_len for r in reqs]
@@ -325,12 +328,11 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
         for req, p, s in zip(reqs, prefix_lens, seq_lens):
             input_ids.extend(req.fill_ids[p:s])
             positions.extend(range(p, s))
+        ids_d, pos_d, loc_d, rows_d, lens_d = self._to_device(
+            input_ids, positions, out_cache_loc, [r.kv.row for r in reqs], seq_lens)
         batch = ScheduleBatch(
-            reqs=reqs, forward_mode=ForwardMode.EXTEND,
-            input_ids=self._to_device(input_ids), positions=self._to_device(positions),
-            out_cache_loc=self._to_device(out_cache_loc),
-            req_pool_indices=self._to_device([r.kv.row for r in reqs]),
-            seq_lens=self._to_device(seq_lens), seq_lens_cpu=seq_lens,
+            reqs=reqs, forward_mode=ForwardMode.EXTEND, input_ids=ids_d, positions=pos_d,
+            out_cache_loc=loc_d, req_pool_indices=rows_d, seq_lens=lens_d, seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=extend_lens, extend_prefix_lens_cpu=prefix_lens,
             chunked_req=self.chunked_req, load_ticket=self.kv.start_loads(self._in_flight_fence))
         self._log_prefill(reqs, extend_lens)
@@ -346,12 +348,11 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
         seq_lens = [r.seqlen + r.num_pending_tokens for r in reqs]
         input_ids = [-(r.future_slot + 1) if r.num_pending_tokens else r.output_ids[-1] for r in reqs]
         out_cache_loc = self.kv.alloc_decode(reqs)
+        ids_d, pos_d, loc_d, rows_d, lens_d = self._to_device(
+            input_ids, [s - 1 for s in seq_lens], out_cache_loc, [r.kv.row for r in reqs], seq_lens)
         return ScheduleBatch(
-            reqs=reqs, forward_mode=ForwardMode.DECODE,
-            input_ids=self._to_device(input_ids), positions=self._to_device([s - 1 for s in seq_lens]),
-            out_cache_loc=self._to_device(out_cache_loc),
-            req_pool_indices=self._to_device([r.kv.row for r in reqs]),
-            seq_lens=self._to_device(seq_lens), seq_lens_cpu=seq_lens,
+            reqs=reqs, forward_mode=ForwardMode.DECODE, input_ids=ids_d, positions=pos_d,
+            out_cache_loc=loc_d, req_pool_indices=rows_d, seq_lens=lens_d, seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=[1] * len(reqs), extend_prefix_lens_cpu=[s - 1 for s in seq_lens],
             has_future_ids=any(r.num_pending_tokens for r in reqs))
 
