@@ -91,16 +91,24 @@ def can_use_cpu_kernels() -> bool:
     return True
 
 
+def runnable_isas() -> tuple[str, ...]:
+    """The ISA tiers this CPU can run, lowest first (ISA_FLAGS lists them highest first, and
+    each tier's instructions include the ones below it): tests build every one of them."""
+    tiers = tuple(reversed(ISA_FLAGS))
+    return tiers[: tiers.index(detect_cpu().isa) + 1]
+
+
 @functools.lru_cache(maxsize=None)
-def load_cpu_module():
-    """Compile (first call) and load the CPU module for this CPU's ISA tier.
+def load_cpu_module(isa: str | None = None):
+    """Compile (first call) and load the CPU module for `isa` (default: this CPU's tier; a
+    lower one, from `runnable_isas()`, for tests of the other code paths).
 
     Raises:
         RuntimeError / ImportError: tvm-ffi missing or the compiler failed.
     """
     tvm_ffi = _import_tvm_ffi()
     cpu = detect_cpu()
-    isa = cpu.isa
+    isa = isa or cpu.isa
     digest = cpu_csrc_digest()
     name = f"hiserve_cpu_{digest}_{isa}"
     source = f'// csrc/cpu digest {digest}\n#include "bindings.h"\n'

@@ -127,3 +127,70 @@ def test_kernel_rejects_inconsistent_lengths():
                           (torch.tensor([2]), torch.tensor([1]), starts), (row, torch.tensor([2]), torch.tensor([0, 2]))):
         with pytest.raises(Exception, match="new tokens|out of range|past q"):
             cpu_kernels.paged_attention(q, k, k, r2t, idx, lens, st, 2, 1.0)
+
+
+def decode_inputs(dtype, *, group, head_dim, contexts, hkv=2, seed=0):
+    """A DECODE batch straight for the kernel: one query per request, each request's context
+    on shuffled pool slots (page size 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, b, total = hkv * group, len(contexts), sum(contexts)
+    k = torch.randn(total + 3, hkv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total + 3, hkv, head_dim, generator=gen).to(dtype)
+    r2t = torch.zeros(b, max(contexts), dtype=torch.int32)
+    slots = torch.randperm(total + 3, generator=gen)[:total].to(torch.int32)
+    for i, n in enumerate(contexts):
+        r2t[i, :n] = slots[sum(contexts[:i]):sum(contexts[:i]) + n]
+    q = torch.randn(b, hq * head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(contexts, dtype=torch.int64)
+    return q, k, v, r2t, torch.arange(b, dtype=torch.int64), lens, torch.arange(b + 1, dtype=torch.int64), hq
+
+
+def decode_reference(q, k, v, r2t, lens, hq, scale):
+    """float64 softmax(q k^T scale) v per request and head, rounded to q's dtype."""
+    hkv, d = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape[0], hq, d, dtype=torch.float64)
+    for i, n in enumerate(lens.tolist()):
+        slots = r2t[i, :n].long()
+        kk = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+        vv = v[slots].double().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double().view(hq, d), kk) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, vv)
+    return out.view(q.shape[0], hq * d).to(q.dtype)
+
+
+# Key counts at the kernel's edges: one key, a 16-key block +-1, a 64-key tile +-1, several tiles.
+EDGE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 128, 256])
+def test_decode_kernel_head_dims_groups_and_tile_edges(dtype, group, head_dim):
+    """The AVX-512 DECODE item against a float64 reference: every group size it is
+    instantiated for, head dims with a half unit of 32 (16, 48, 80: masked loads) and
+    without, and contexts at the 16-key block and 64-key tile edges."""
+    q, k, v, r2t, idx, lens, starts, hq = decode_inputs(dtype, group=group, head_dim=head_dim,
+                                                        contexts=EDGE_CONTEXTS)
+    scale = head_dim ** -0.5
+    got = cpu_kernels.paged_attention(q, k, v, r2t, idx, lens, starts, hq, scale)
+    assert_close_rel(got, decode_reference(q, k, v, r2t, lens, hq, scale), TOL[dtype])
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_every_isa_tier(isa, dtype):
+    """Every tier this CPU runs has its own DECODE code: avx512_bf16 scores bf16 keys with
+    _mm512_dpbf16_ps, avx512 with fp32 FMAs, avx2 and baseline take the portable loop. Each
+    is built (cached after the first run) and checked against the float64 reference, on one
+    and two threads (two: the flash-decoding split of the 4096-key context and its merge)."""
+    mod = cpu_kernels.load_cpu_module(isa)
+    for group, head_dim in ((3, 64), (8, 80)):
+        contexts = [1, 17, 65, 300, 4096]
+        q, k, v, r2t, idx, lens, starts, hq = decode_inputs(dtype, group=group, head_dim=head_dim,
+                                                            contexts=contexts, seed=group)
+        scale = head_dim ** -0.5
+        want = decode_reference(q, k, v, r2t, lens, hq, scale)
+        for threads in (1, 2):
+            out = torch.empty_like(q)
+            mod.paged_attention(q, k, v, out, r2t, idx, lens, starts, hq, k.shape[1], scale, threads)
+            assert_close_rel(out, want, TOL[dtype])
