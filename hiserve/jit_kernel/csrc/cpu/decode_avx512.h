@@ -39,6 +39,10 @@ constexpr int64_t kDecodeMaxDim = 256;   // head dim (a multiple of 16)
 constexpr int64_t kDecodeMaxUnits = kDecodeMaxDim / 32;
 constexpr int64_t kDecodeKeyTile = 64;   // keys scored before their softmax update
 constexpr int64_t kDecodeBlock = 16;     // keys per transpose-reduce
+// Tiles between a row's prefetch and its use. 30 layers' pools (DRAM-resident), B = 16,
+// 1 thread, per layer: 1 tile 0.32 / 1.03 ms (ctx 256 / 1024), 2 tiles 0.39 / 1.15, 3 tiles
+// 0.45 / 1.23: lines fetched further ahead are evicted or crowd out the current tile's.
+constexpr int64_t kDecodePrefetchTiles = 1;
 
 inline bool decode_avx512_fits(int64_t G, int64_t D, int64_t Dv) {
   return G >= 1 && G <= kDecodeMaxGroup && D == Dv && D % 16 == 0 && D <= kDecodeMaxDim;
@@ -111,7 +115,11 @@ inline __m512 fast_exp16(__m512 x) {
 // B = 16, ctx 2000 (24 MB of K/V), 1 thread, strided slots: T0 for both 2.1-3.0 ms, T1 for
 // the K rows only 2.1-3.0 ms, T1 for both 1.55-1.66 ms (contiguous / random slots: within
 // noise); no prefetch at all: 7-11 ms.
-inline void prefetch_row(const void* row, int64_t bytes) {
+// always_inline: gcc 12 deems a function whose only effect is __builtin_prefetch "const" and
+// deletes calls to it that were not inlined before its IPA pass (a RowPrefetch::key built
+// on it compiled to nothing, and the kernel ran 2x slower on DRAM-resident K/V).
+#define HISERVE_ALWAYS_INLINE inline __attribute__((always_inline))
+HISERVE_ALWAYS_INLINE void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(row) + o, _MM_HINT_T1);
 }
 
@@ -212,15 +220,27 @@ void softmax_tile(float* p, int64_t kt, float* m, float* l, float* alpha) {
   }
 }
 
+// Prefetches the K and V rows of keys [begin, end) of the item, one key at a time.
+template <typename T>
+struct RowPrefetch {
+  const T *k0, *v0;
+  int64_t k_stride, v_stride, bytes;
+  const int32_t* slots;
+  HISERVE_ALWAYS_INLINE void key(int64_t j) const {
+    prefetch_row(k0 + static_cast<int64_t>(slots[j]) * k_stride, bytes);
+    prefetch_row(v0 + static_cast<int64_t>(slots[j]) * v_stride, bytes);
+  }
+};
+
 // acc_u [G, U, 2, 16] (unit layout) = alpha * acc_u + p @ V, for units [u0, u0 + N) over the
 // tile's keys. N is a template argument so that the G x N x 2 accumulators are registers
-// (with a runtime unit count gcc kept them on the stack). Prefetches the first npf K and V
-// rows of the next tile (pk, pv), one of each per key: a burst of a whole tile's prefetches
-// at once stalled on the miss buffers (18% of score_tile's samples sat on that loop).
+// (with a runtime unit count gcc kept them on the stack). Prefetches keys [pf0, pf0 + npf),
+// one per key of the tile: a burst of a whole tile's prefetches at once stalled on the miss
+// buffers (18% of score_tile's samples sat on such a loop).
 template <int G, int N, typename T>
 void accumulate_v_units(const float* p, const float* alpha, const T* const* vp, int64_t kt, int64_t D, int64_t u0,
-                        const T* const* pk, const T* const* pv, int64_t npf, float* acc_u) {
-  const int64_t U = (D + 31) / 32, row_bytes = D * static_cast<int64_t>(sizeof(T));
+                        const RowPrefetch<T>& pf, int64_t pf0, int64_t npf, float* acc_u) {
+  const int64_t U = (D + 31) / 32;
   bool full[N];
   __m512 o[G][N][2];
   HISERVE_UNROLL for (int u = 0; u < N; ++u) full[u] = D - 32 * (u0 + u) >= 32;
@@ -229,10 +249,7 @@ void accumulate_v_units(const float* p, const float* alpha, const T* const* vp, 
       HISERVE_UNROLL for (int h = 0; h < 2; ++h)
         o[g][u][h] = _mm512_mul_ps(_mm512_loadu_ps(acc_u + ((g * U + u0 + u) * 2 + h) * 16), _mm512_set1_ps(alpha[g]));
   for (int64_t j = 0; j < kt; ++j) {
-    if (j < npf) {
-      prefetch_row(pk[j], row_bytes);
-      prefetch_row(pv[j], row_bytes);
-    }
+    if (j < npf) pf.key(pf0 + j);
     HISERVE_UNROLL for (int u = 0; u < N; ++u) {
       __m512 va, vb;
       load_unit(vp[j] + 32 * (u0 + u), full[u], va, vb);
@@ -249,17 +266,15 @@ void accumulate_v_units(const float* p, const float* alpha, const T* const* vp, 
 }
 
 // All units of the tile: passes of UB units (G x UB x 2 accumulators fit in 16 registers),
-// the remainder one unit at a time. The first pass prefetches the next tile's K rows.
+// the remainder one unit at a time. The first pass issues the prefetches.
 template <int G, typename T>
 void accumulate_v(const float* p, const float* alpha, const T* const* vp, int64_t kt, int64_t D,
-                  const T* const* next_kp, const T* const* next_vp, int64_t next_kt, float* acc_u) {
+                  const RowPrefetch<T>& pf, int64_t pf0, int64_t npf, float* acc_u) {
   constexpr int UB = G >= 5 ? 1 : (G >= 3 ? 2 : (G == 2 ? 4 : 8));
   const int64_t U = (D + 31) / 32;
   int64_t u0 = 0;
-  for (; u0 + UB <= U; u0 += UB)
-    accumulate_v_units<G, UB, T>(p, alpha, vp, kt, D, u0, next_kp, next_vp, u0 == 0 ? next_kt : 0, acc_u);
-  for (; u0 < U; ++u0)
-    accumulate_v_units<G, 1, T>(p, alpha, vp, kt, D, u0, next_kp, next_vp, u0 == 0 ? next_kt : 0, acc_u);
+  for (; u0 + UB <= U; u0 += UB) accumulate_v_units<G, UB, T>(p, alpha, vp, kt, D, u0, pf, pf0, u0 == 0 ? npf : 0, acc_u);
+  for (; u0 < U; ++u0) accumulate_v_units<G, 1, T>(p, alpha, vp, kt, D, u0, pf, pf0, u0 == 0 ? npf : 0, acc_u);
 }
 
 template <int G, typename T>
@@ -269,32 +284,26 @@ void decode_item_group(const T* q0, int64_t D, float scale, const T* k0, const T
   const DecodeQuery<G, T> q(q0, D);
   alignas(64) float p[G * kDecodeKeyTile];
   alignas(64) float acc_u[G * kDecodeMaxUnits * 32];
-  const T* kp[2][kDecodeKeyTile];  // this tile's and the next tile's K / V rows
-  const T* vp[2][kDecodeKeyTile];
+  const T *kp[kDecodeKeyTile], *vp[kDecodeKeyTile];
   std::fill(acc_u, acc_u + G * U * 32, 0.f);
   for (int g = 0; g < G; ++g) {
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.f;
   }
-  auto rows = [&](int64_t t0, int64_t kt, int buf) {
-    for (int64_t j = 0; j < kt; ++j) {
-      kp[buf][j] = k0 + static_cast<int64_t>(slots[t0 + j]) * k_stride;
-      vp[buf][j] = v0 + static_cast<int64_t>(slots[t0 + j]) * v_stride;
-    }
-  };
-  rows(0, std::min(kDecodeKeyTile, n), 0);
-  for (int64_t j = 0; j < std::min(kDecodeKeyTile, n); ++j) {
-    prefetch_row(kp[0][j], D * static_cast<int64_t>(sizeof(T)));
-    prefetch_row(vp[0][j], D * static_cast<int64_t>(sizeof(T)));
-  }
-  for (int64_t t0 = 0, cur = 0; t0 < n; t0 += kDecodeKeyTile, cur ^= 1) {
+  const RowPrefetch<T> pf{k0, v0, k_stride, v_stride, D * static_cast<int64_t>(sizeof(T)), slots};
+  constexpr int64_t ahead = kDecodePrefetchTiles * kDecodeKeyTile;  // keys between a prefetch and its use
+  for (int64_t j = 0; j < std::min(ahead, n); ++j) pf.key(j);
+  for (int64_t t0 = 0; t0 < n; t0 += kDecodeKeyTile) {
     const int64_t kt = std::min(kDecodeKeyTile, n - t0);
-    const int64_t next_kt = std::max<int64_t>(0, std::min(kDecodeKeyTile, n - t0 - kDecodeKeyTile));
-    rows(t0 + kDecodeKeyTile, next_kt, cur ^ 1);
-    score_tile<G, T>(q, D, scale, kp[cur], kt, p);
+    for (int64_t j = 0; j < kt; ++j) {
+      kp[j] = k0 + static_cast<int64_t>(slots[t0 + j]) * k_stride;
+      vp[j] = v0 + static_cast<int64_t>(slots[t0 + j]) * v_stride;
+    }
+    score_tile<G, T>(q, D, scale, kp, kt, p);
     alignas(64) float alpha[G];
     softmax_tile<G>(p, kt, m, l, alpha);
-    accumulate_v<G, T>(p, alpha, vp[cur], kt, D, kp[cur ^ 1], vp[cur ^ 1], next_kt, acc_u);
+    const int64_t npf = std::max<int64_t>(0, std::min(kDecodeKeyTile, n - t0 - ahead));
+    accumulate_v<G, T>(p, alpha, vp, kt, D, pf, t0 + ahead, npf, acc_u);
   }
   for (int g = 0; g < G; ++g)
     for (int64_t u = 0; u < U; ++u)
