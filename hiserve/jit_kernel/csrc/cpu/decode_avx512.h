@@ -220,15 +220,20 @@ void softmax_tile(float* p, int64_t kt, float* m, float* l, float* alpha) {
   }
 }
 
-// Prefetches the K and V rows of keys [begin, end) of the item, one key at a time.
+// The item's keys in the pool: K / V rows of this KV head (k0, v0: the pool at the head,
+// rows k_stride / v_stride elements apart, slots: the item's keys), and how many bytes from
+// a row's start to prefetch (k_pf_bytes, v_pf_bytes; see decode_item_avx512).
 template <typename T>
-struct RowPrefetch {
+struct KvRows {
   const T *k0, *v0;
-  int64_t k_stride, v_stride, bytes;
+  int64_t k_stride, v_stride;
   const int32_t* slots;
-  HISERVE_ALWAYS_INLINE void key(int64_t j) const {
-    prefetch_row(k0 + static_cast<int64_t>(slots[j]) * k_stride, bytes);
-    prefetch_row(v0 + static_cast<int64_t>(slots[j]) * v_stride, bytes);
+  int64_t k_pf_bytes, v_pf_bytes;
+  const T* k(int64_t j) const { return k0 + static_cast<int64_t>(slots[j]) * k_stride; }
+  const T* v(int64_t j) const { return v0 + static_cast<int64_t>(slots[j]) * v_stride; }
+  HISERVE_ALWAYS_INLINE void prefetch(int64_t j) const {
+    prefetch_row(k(j), k_pf_bytes);
+    prefetch_row(v(j), v_pf_bytes);
   }
 };
 
@@ -239,7 +244,7 @@ struct RowPrefetch {
 // buffers (18% of score_tile's samples sat on such a loop).
 template <int G, int N, typename T>
 void accumulate_v_units(const float* p, const float* alpha, const T* const* vp, int64_t kt, int64_t D, int64_t u0,
-                        const RowPrefetch<T>& pf, int64_t pf0, int64_t npf, float* acc_u) {
+                        const KvRows<T>& pf, int64_t pf0, int64_t npf, float* acc_u) {
   const int64_t U = (D + 31) / 32;
   bool full[N];
   __m512 o[G][N][2];
@@ -249,7 +254,7 @@ void accumulate_v_units(const float* p, const float* alpha, const T* const* vp, 
       HISERVE_UNROLL for (int h = 0; h < 2; ++h)
         o[g][u][h] = _mm512_mul_ps(_mm512_loadu_ps(acc_u + ((g * U + u0 + u) * 2 + h) * 16), _mm512_set1_ps(alpha[g]));
   for (int64_t j = 0; j < kt; ++j) {
-    if (j < npf) pf.key(pf0 + j);
+    if (j < npf) pf.prefetch(pf0 + j);
     HISERVE_UNROLL for (int u = 0; u < N; ++u) {
       __m512 va, vb;
       load_unit(vp[j] + 32 * (u0 + u), full[u], va, vb);
@@ -269,7 +274,7 @@ void accumulate_v_units(const float* p, const float* alpha, const T* const* vp, 
 // the remainder one unit at a time. The first pass issues the prefetches.
 template <int G, typename T>
 void accumulate_v(const float* p, const float* alpha, const T* const* vp, int64_t kt, int64_t D,
-                  const RowPrefetch<T>& pf, int64_t pf0, int64_t npf, float* acc_u) {
+                  const KvRows<T>& pf, int64_t pf0, int64_t npf, float* acc_u) {
   constexpr int UB = G >= 5 ? 1 : (G >= 3 ? 2 : (G == 2 ? 4 : 8));
   const int64_t U = (D + 31) / 32;
   int64_t u0 = 0;
@@ -278,8 +283,8 @@ void accumulate_v(const float* p, const float* alpha, const T* const* vp, int64_
 }
 
 template <int G, typename T>
-void decode_item_group(const T* q0, int64_t D, float scale, const T* k0, const T* v0, int64_t k_stride,
-                       int64_t v_stride, const int32_t* slots, int64_t n, float* m, float* l, float* acc) {
+void decode_item_group(const T* q0, int64_t D, float scale, const KvRows<T>& kv, int64_t n, float* m, float* l,
+                       float* acc) {
   const int64_t U = (D + 31) / 32;
   const DecodeQuery<G, T> q(q0, D);
   alignas(64) float p[G * kDecodeKeyTile];
@@ -290,20 +295,16 @@ void decode_item_group(const T* q0, int64_t D, float scale, const T* k0, const T
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.f;
   }
-  const RowPrefetch<T> pf{k0, v0, k_stride, v_stride, D * static_cast<int64_t>(sizeof(T)), slots};
   constexpr int64_t ahead = kDecodePrefetchTiles * kDecodeKeyTile;  // keys between a prefetch and its use
-  for (int64_t j = 0; j < std::min(ahead, n); ++j) pf.key(j);
+  for (int64_t j = 0; j < std::min(ahead, n); ++j) kv.prefetch(j);
   for (int64_t t0 = 0; t0 < n; t0 += kDecodeKeyTile) {
     const int64_t kt = std::min(kDecodeKeyTile, n - t0);
-    for (int64_t j = 0; j < kt; ++j) {
-      kp[j] = k0 + static_cast<int64_t>(slots[t0 + j]) * k_stride;
-      vp[j] = v0 + static_cast<int64_t>(slots[t0 + j]) * v_stride;
-    }
+    for (int64_t j = 0; j < kt; ++j) kp[j] = kv.k(t0 + j), vp[j] = kv.v(t0 + j);
     score_tile<G, T>(q, D, scale, kp, kt, p);
     alignas(64) float alpha[G];
     softmax_tile<G>(p, kt, m, l, alpha);
     const int64_t npf = std::max<int64_t>(0, std::min(kDecodeKeyTile, n - t0 - ahead));
-    accumulate_v<G, T>(p, alpha, vp, kt, D, pf, t0 + ahead, npf, acc_u);
+    accumulate_v<G, T>(p, alpha, vp, kt, D, kv, t0 + ahead, npf, acc_u);
   }
   for (int g = 0; g < G; ++g)
     for (int64_t u = 0; u < U; ++u)
@@ -311,17 +312,15 @@ void decode_item_group(const T* q0, int64_t D, float scale, const T* k0, const T
                  _mm512_loadu_ps(acc_u + (g * U + u) * 32 + 16), q0);
 }
 
-// q0: the group's G query rows (D each, contiguous heads); k0 / v0: the pool at this KV head,
-// rows `k_stride` / `v_stride` elements apart; slots: the item's n keys. Writes m, l [G] and
-// acc [G, D] (unnormalised), as attend_item does.
+// q0: the group's G query rows (D each, contiguous heads); kv: the item's n keys (kv.slots
+// starts at its first). Writes m, l [G] and acc [G, D] (unnormalised), as attend_item does.
 template <typename T>
-void decode_item_avx512(const T* q0, int64_t G, int64_t D, float scale, const T* k0, const T* v0,
-                        int64_t k_stride, int64_t v_stride, const int32_t* slots, int64_t n, float* m,
+void decode_item_avx512(const T* q0, int64_t G, int64_t D, float scale, const KvRows<T>& kv, int64_t n, float* m,
                         float* l, float* acc) {
   switch (G) {
 #define HISERVE_DECODE_G(g) \
   case g:                   \
-    return decode_item_group<g, T>(q0, D, scale, k0, v0, k_stride, v_stride, slots, n, m, l, acc);
+    return decode_item_group<g, T>(q0, D, scale, kv, n, m, l, acc);
     HISERVE_DECODE_G(1) HISERVE_DECODE_G(2) HISERVE_DECODE_G(3) HISERVE_DECODE_G(4)
     HISERVE_DECODE_G(5) HISERVE_DECODE_G(6) HISERVE_DECODE_G(7) HISERVE_DECODE_G(8)
 #undef HISERVE_DECODE_G

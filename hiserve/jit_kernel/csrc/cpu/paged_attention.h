@@ -111,8 +111,16 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   // One query (DECODE) of a small GQA group: the register-blocked path (decode_avx512.h).
   if (nq == 1 && decode_avx512_fits(G, D, Dv)) {
     const T* q0 = q + q_starts[it.req] * s.q_row_stride + it.kv_head * G * D;
-    decode_item_avx512(q0, G, D, s.scale, k_buf + it.kv_head * D, v_buf + it.kv_head * Dv, s.k_slot_stride,
-                       s.v_slot_stride, slots + k_begin, k_end - k_begin, m, l, acc);
+    // The KV head 0 item prefetches whole slots (all heads' rows, contiguous in the pool): the
+    // request's other heads' items (next in the item order) then find them in cache, and DRAM
+    // is read in runs of Hkv x D elements instead of D. 30 layers' pools, B = 16, Hkv = 3,
+    // per layer, ctx 256 / 1024: contiguous slots 0.70x / 0.72x (1 thread), 0.80x / 0.84x (2);
+    // slots a batch apart 1.01x / 1.07x (1 thread), 0.99x / 1.01x (2).
+    const int64_t esz = static_cast<int64_t>(sizeof(T));
+    const bool whole = it.kv_head == 0;
+    const KvRows<T> kv{k_buf + it.kv_head * D, v_buf + it.kv_head * Dv, s.k_slot_stride, s.v_slot_stride,
+                       slots + k_begin, (whole ? s.num_kv_heads * D : D) * esz, (whole ? s.num_kv_heads * Dv : Dv) * esz};
+    decode_item_avx512(q0, G, D, s.scale, kv, k_end - k_begin, m, l, acc);
     return;
   }
 #endif
