@@ -162,8 +162,10 @@ struct DecodeQuery {
       if constexpr (kDpbf16) {
         // bf16 products are exact in fp32; the sums round as the FMA path's do.
         const __m512bh qu = (__m512bh)raw[g * U + u];
-        for (int i = 0; i < kDecodeBlock; ++i)
-          v[i] = _mm512_dpbf16_ps(v[i], qu, (__m512bh)load_bf16_unit(reinterpret_cast<const bf16*>(rows[i]) + 32 * u, full));
+        for (int i = 0; i < kDecodeBlock; ++i) {
+          const __m512i kx = load_bf16_unit(reinterpret_cast<const bf16*>(rows[i]) + 32 * u, full);
+          v[i] = _mm512_dpbf16_ps(v[i], qu, (__m512bh)kx);
+        }
         continue;
       }
 #endif
@@ -278,7 +280,8 @@ void accumulate_v(const float* p, const float* alpha, const T* const* vp, int64_
   constexpr int UB = G >= 5 ? 1 : (G >= 3 ? 2 : (G == 2 ? 4 : 8));
   const int64_t U = (D + 31) / 32;
   int64_t u0 = 0;
-  for (; u0 + UB <= U; u0 += UB) accumulate_v_units<G, UB, T>(p, alpha, vp, kt, D, u0, pf, pf0, u0 == 0 ? npf : 0, acc_u);
+  for (; u0 + UB <= U; u0 += UB)
+    accumulate_v_units<G, UB, T>(p, alpha, vp, kt, D, u0, pf, pf0, u0 == 0 ? npf : 0, acc_u);
   for (; u0 < U; ++u0) accumulate_v_units<G, 1, T>(p, alpha, vp, kt, D, u0, pf, pf0, u0 == 0 ? npf : 0, acc_u);
 }
 

@@ -89,6 +89,70 @@ struct Scratch {
   }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// attend_item's DECODE case on the AVX-512 path: q_row is the request's query token, slots
+// its n keys of the item's split.
+template <typename T>
+void decode_item(const AttnItem& it, const AttnShape& s, const T* q_row, const T* k_buf, const T* v_buf,
+                 const int32_t* slots, int64_t n, float* state) {
+  const int64_t G = s.num_q_heads / s.num_kv_heads, D = s.head_dim, Dv = s.v_head_dim;
+  // The KV head 0 item prefetches whole slots (all heads' rows, contiguous in the pool): the
+  // request's other heads' items (next in the item order) then find them in cache, and DRAM
+  // is read in runs of Hkv x D elements instead of D. 30 layers' pools, B = 16, Hkv = 3,
+  // per layer, ctx 256 / 1024: contiguous slots 0.70x / 0.72x (1 thread), 0.80x / 0.84x (2);
+  // slots a batch apart 1.01x / 1.07x (1 thread), 0.99x / 1.01x (2).
+  const int64_t esz = static_cast<int64_t>(sizeof(T));
+  const bool whole = it.kv_head == 0;
+  const KvRows<T> kv{k_buf + it.kv_head * D, v_buf + it.kv_head * Dv, s.k_slot_stride, s.v_slot_stride,
+                     slots, (whole ? s.num_kv_heads * D : D) * esz, (whole ? s.num_kv_heads * Dv : Dv) * esz};
+  decode_item_avx512(q_row + it.kv_head * G * D, G, D, s.scale, kv, n, state, state + G, state + 2 * G);
+}
+#endif
+
+// One row (query, head) of a portable-path tile: scores of its `visible` keys (from the K
+// tile, transposed or not), the online-softmax update of m, l and the accumulator ar [Dv].
+inline void attend_row(const float* __restrict qr, Scratch& w, bool transposed, int64_t visible, int64_t D,
+                       int64_t Dv, float& m, float& l, float* __restrict ar) {
+  float* __restrict sc = w.p.data();
+  if (transposed) {
+    for (int64_t j = 0; j < kKeyTile; ++j) sc[j] = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = qr[d];
+      const float* __restrict kd = &w.k[d * kKeyTile];
+#pragma omp simd
+      for (int64_t j = 0; j < kKeyTile; ++j) sc[j] += qd * kd[j];
+    }
+  } else {
+    for (int64_t j = 0; j < visible; ++j) {
+      const float* __restrict kj = &w.k[j * D];
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
+      sc[j] = dot;
+    }
+  }
+  float tile_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
+  const float m_new = std::max(m, tile_max);
+  const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m - m_new);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < visible; ++j) {
+    sc[j] = fast_exp(sc[j] - m_new);
+    sum += sc[j];
+  }
+  l = l * alpha + sum;
+  m = m_new;
+#pragma omp simd
+  for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float pj = sc[j];
+    const float* __restrict vj = &w.v[j * Dv];
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) ar[d] += pj * vj[d];
+  }
+}
+
 template <typename T>
 void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_buf, const T* v_buf,
                  const int32_t* req_to_token, const int64_t* req_pool_indices, const int64_t* seq_lens,
@@ -109,20 +173,9 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   float* acc = l + rows;      // [rows, Dv]
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // One query (DECODE) of a small GQA group: the register-blocked path (decode_avx512.h).
-  if (nq == 1 && decode_avx512_fits(G, D, Dv)) {
-    const T* q0 = q + q_starts[it.req] * s.q_row_stride + it.kv_head * G * D;
-    // The KV head 0 item prefetches whole slots (all heads' rows, contiguous in the pool): the
-    // request's other heads' items (next in the item order) then find them in cache, and DRAM
-    // is read in runs of Hkv x D elements instead of D. 30 layers' pools, B = 16, Hkv = 3,
-    // per layer, ctx 256 / 1024: contiguous slots 0.70x / 0.72x (1 thread), 0.80x / 0.84x (2);
-    // slots a batch apart 1.01x / 1.07x (1 thread), 0.99x / 1.01x (2).
-    const int64_t esz = static_cast<int64_t>(sizeof(T));
-    const bool whole = it.kv_head == 0;
-    const KvRows<T> kv{k_buf + it.kv_head * D, v_buf + it.kv_head * Dv, s.k_slot_stride, s.v_slot_stride,
-                       slots + k_begin, (whole ? s.num_kv_heads * D : D) * esz, (whole ? s.num_kv_heads * Dv : Dv) * esz};
-    decode_item_avx512(q0, G, D, s.scale, kv, k_end - k_begin, m, l, acc);
-    return;
-  }
+  if (nq == 1 && decode_avx512_fits(G, D, Dv))
+    return decode_item(it, s, q + q_starts[it.req] * s.q_row_stride, k_buf, v_buf, slots + k_begin,
+                       k_end - k_begin, state);
 #endif
   w.reserve(kQueryBlock * G, D, Dv);
   for (int64_t r = 0; r < rows; ++r) {
@@ -159,46 +212,7 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(kt, prefix + i0 + r / G + 1 - t0);  // causal limit
       if (visible <= 0) continue;
-      const float* __restrict qr = &w.q[r * D];
-      float* __restrict sc = w.p.data();
-      if (transposed) {
-        for (int64_t j = 0; j < kKeyTile; ++j) sc[j] = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qr[d];
-          const float* __restrict kd = &w.k[d * kKeyTile];
-#pragma omp simd
-          for (int64_t j = 0; j < kKeyTile; ++j) sc[j] += qd * kd[j];
-        }
-      } else {
-        for (int64_t j = 0; j < visible; ++j) {
-          const float* __restrict kj = &w.k[j * D];
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
-          sc[j] = dot;
-        }
-      }
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, sc[j]);
-      const float m_new = std::max(m[r], tile_max);
-      const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m[r] - m_new);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < visible; ++j) {
-        sc[j] = fast_exp(sc[j] - m_new);
-        sum += sc[j];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-      float* __restrict ar = acc + r * Dv;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float pj = sc[j];
-        const float* __restrict vj = &w.v[j * Dv];
-#pragma omp simd
-        for (int64_t d = 0; d < Dv; ++d) ar[d] += pj * vj[d];
-      }
+      attend_row(&w.q[r * D], w, transposed, visible, D, Dv, m[r], l[r], acc + r * Dv);
     }
   }
 }
