@@ -9,17 +9,21 @@
 //   scores in one vector, about 3 ops per key and head instead of a horizontal
 //   _mm512_reduce_add_ps each (~8 ops on a serial shuffle chain). With AVX512-BF16 a bf16
 //   K row is multiplied straight from the pool by _mm512_dpbf16_ps (32 dims per instruction,
-//   no conversion; q stays bf16 as the model gave it and the scale goes on the fp32 scores).
+//   no conversion; q stays bf16 as the model gave it and the scale goes on the fp32 scores):
+//   0.87-0.91x the time of widening K and using fp32 FMAs (same-process A/B, B = 16).
 // * bf16 rows are widened by the even/odd trick (x << 16 gives the even dims, x & 0xffff0000
 //   the odd ones): one op per 16 floats instead of two (zero-extend + shift). q and the V
 //   accumulators live in that permuted order and are put back in order once per item.
 // * Prefetch: with page size 1 a request's keys are ~batch-size slots apart (one slot per
 //   request per decode step), so neither the hardware prefetcher nor the row order helps.
-//   While a tile's V rows are accumulated the next tile's K and V rows are prefetched.
+//   While a tile's V rows are accumulated the next tile's K and V rows are prefetched (the
+//   KV head 0 item prefetches whole slots: see decode_item in paged_attention.h).
 // * V: the G x (a few units of 32 dims) accumulators stay in registers across the tile's keys.
 //
-// Measured on the 2-core AVX-512 BF16 KVM (Zen-class EPYC), B = 16, Hq 9, Hkv 3, D 64, bf16,
-// one thread, per layer call: see benchmark/results/cpu_attention_decode_ab.json.
+// Measured on the 2-core AVX-512 BF16 KVM (EPYC), B = 16, Hq 9, Hkv 3, D 64, bf16, 1 thread,
+// against the former per-key version (same process, interleaved): ctx 400 0.69-0.79 -> 0.22-0.25
+// ms per call with K/V in cache, 1.8-2.5 -> 0.37-0.46 ms with 30 layers' pools cycled (DRAM);
+// benchmark/results/cpu_attention_decode_ab.json has these and bench_cpu_attention's figures.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -116,7 +120,7 @@ inline __m512 fast_exp16(__m512 x) {
 // the K rows only 2.1-3.0 ms, T1 for both 1.55-1.66 ms (contiguous / random slots: within
 // noise); no prefetch at all: 7-11 ms.
 // always_inline: gcc 12 deems a function whose only effect is __builtin_prefetch "const" and
-// deletes calls to it that were not inlined before its IPA pass (a RowPrefetch::key built
+// deletes calls to it that were not inlined before its IPA pass (a KvRows::prefetch built
 // on it compiled to nothing, and the kernel ran 2x slower on DRAM-resident K/V).
 #define HISERVE_ALWAYS_INLINE inline __attribute__((always_inline))
 HISERVE_ALWAYS_INLINE void prefetch_row(const void* row, int64_t bytes) {
