@@ -185,8 +185,9 @@ case "${1:-tests}" in
     ;;
   s7-final-b)
     # Part 2: MLA serving identity (triton), write-back bandwidth, hit latency at page 64 (2K, 6K, the
-    # longest page-aligned prefix, the context limit).
-    timeout 200 python3 -m pytest -m cuda test/gpu -k deepseek -q -x -p no:cacheprovider 2>&1 | tail -12 \
+    # longest page-aligned prefix, the context limit). The MLA servers' first start compiles Triton
+    # kernels on a fresh machine: 237 s of setup once, past the old 200 s limit.
+    timeout 430 python3 -m pytest -m cuda test/gpu -k deepseek --durations=8 -q -x -p no:cacheprovider 2>&1 | tail -12 \
       | tee "$OUT/gpu_e2e_mla.txt"
     timeout 60 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
       | tee "$OUT/write_back.txt"
