@@ -148,8 +148,12 @@ def paged_attention(
     q_starts: torch.Tensor,
     num_q_heads: int,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    out_cache_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its whole context in the pool.
+    """Causal attention of each request's new tokens over its whole context in the pool,
+    optionally storing the new tokens' K/V into the pool first (in the same C++ call).
 
     Args:
         q: [T, Hq * D] (rows may be strided, e.g. a view of a fused QKV output).
@@ -159,10 +163,17 @@ def paged_attention(
         q_starts: [B + 1] int64 cumulative new-token counts (q rows of request b:
             q_starts[b]:q_starts[b+1]); DECODE is q_starts = arange(B + 1).
         num_q_heads: Hq (a multiple of Hkv); scale: the softmax scale.
+        k_new, v_new, out_cache_loc: all three or none. k_new [T', Hkv * D], v_new
+            [T', Hkv * Dv] in the pool's dtype (no conversion here: the caller casts or keeps
+            its own store; rows may be strided, each contiguous), out_cache_loc [T'] int64:
+            row t is written to k_buf[out_cache_loc[t]] / v_buf[...] before attention reads
+            the pool, as `MHATokenToKVPool.set_kv_buffer` would. The new tokens' slots must be
+            the last context slots of their requests in req_to_token.
     Returns:
         [T, Hq * Dv] in q's dtype.
     Raises:
-        ValueError: dtypes, devices or shapes the kernel does not take.
+        ValueError: dtypes, devices or shapes the kernel does not take (an out-of-range
+            out_cache_loc raises from the kernel, before any row is written).
     """
     dt, i64 = q.dtype, torch.int64
     # One boolean pass on the hot path (decode calls this once per layer and step); the
@@ -177,10 +188,52 @@ def paged_attention(
             and q_starts.numel() == seq_lens.numel() + 1 == req_pool_indices.numel() + 1
             and q.shape[1] == num_q_heads * k_buf.shape[2]):
         _validate_paged_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, q_starts, num_q_heads)
+    k_new, v_new, out_cache_loc, store = _kv_store_args(k_buf, v_buf, k_new, v_new, out_cache_loc, q_starts)
     out = q.new_empty((q.shape[0], num_q_heads * v_buf.shape[2]))
     load_cpu_module().paged_attention(q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
-                                      num_q_heads, k_buf.shape[1], float(scale), torch.get_num_threads())
+                                      k_new, v_new, out_cache_loc, store, num_q_heads, k_buf.shape[1],
+                                      float(scale), torch.get_num_threads())
     return out
+
+
+def _kv_store_args(k_buf: torch.Tensor, v_buf: torch.Tensor, k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+                   out_cache_loc: torch.Tensor | None, filler: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(k_new, v_new, out_cache_loc, store) for the kernel: the checked store, or `filler`
+    three times and False without one. Raises ValueError on a store the kernel does not take."""
+    store = out_cache_loc is not None
+    if store:
+        # One boolean pass again; _validate_kv_store raises with the reason when it fails.
+        if not (k_new is not None and v_new is not None and k_new.dtype == k_buf.dtype and v_new.dtype == k_buf.dtype
+                and k_new.is_cpu and v_new.is_cpu and out_cache_loc.is_cpu and out_cache_loc.dtype == torch.int64
+                and out_cache_loc.dim() == 1 and out_cache_loc.is_contiguous()
+                and k_new.dim() == 2 and v_new.dim() == 2 and k_new.stride(1) == 1 and v_new.stride(1) == 1
+                and k_new.shape[0] == v_new.shape[0] == out_cache_loc.shape[0]
+                and k_new.shape[1] == k_buf.shape[1] * k_buf.shape[2]
+                and v_new.shape[1] == v_buf.shape[1] * v_buf.shape[2]):
+            _validate_kv_store(k_buf, v_buf, k_new, v_new, out_cache_loc)
+    elif k_new is not None or v_new is not None:
+        _validate_kv_store(k_buf, v_buf, k_new, v_new, out_cache_loc)
+    else:  # unread by the kernel without the store; any tensor fills the slots
+        k_new = v_new = out_cache_loc = filler
+    return k_new, v_new, out_cache_loc, store
+
+
+def _validate_kv_store(k_buf: torch.Tensor, v_buf: torch.Tensor, k_new: torch.Tensor | None,
+                       v_new: torch.Tensor | None, out_cache_loc: torch.Tensor | None) -> None:
+    """Raise ValueError unless k_new/v_new/out_cache_loc are a store `paged_attention` takes."""
+    _check(k_new is not None and v_new is not None and out_cache_loc is not None,
+           "k_new, v_new and out_cache_loc go together")
+    _check(k_new.dtype == k_buf.dtype and v_new.dtype == k_buf.dtype and k_new.is_cpu and v_new.is_cpu,
+           f"k_new/v_new must be CPU tensors of the pool dtype {k_buf.dtype}")
+    _check(k_new.dim() == 2 and v_new.dim() == 2 and k_new.stride(1) == 1 and v_new.stride(1) == 1,
+           "k_new/v_new must be [T, width] with contiguous rows")
+    _check(out_cache_loc.dtype == torch.int64 and out_cache_loc.is_cpu and out_cache_loc.dim() == 1
+           and out_cache_loc.is_contiguous(), "out_cache_loc must be a contiguous int64 CPU [T]")
+    n = out_cache_loc.shape[0]
+    _check(k_new.shape == (n, k_buf.shape[1] * k_buf.shape[2])
+           and v_new.shape == (n, v_buf.shape[1] * v_buf.shape[2]),
+           "k_new/v_new must be [T, Hkv * D] / [T, Hkv * Dv] with T = len(out_cache_loc)")
 
 
 def _validate_paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

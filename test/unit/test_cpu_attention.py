@@ -192,5 +192,7 @@ def test_decode_kernel_every_isa_tier(isa, dtype):
         want = decode_reference(q, k, v, r2t, lens, hq, scale)
         for threads in (1, 2):
             out = torch.empty_like(q)
-            mod.paged_attention(q, k, v, out, r2t, idx, lens, starts, hq, k.shape[1], scale, threads)
+            # starts x3, False: no K/V store (test_cpu_attention_kv_store.py covers it)
+            mod.paged_attention(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts, False, hq,
+                                k.shape[1], scale, threads)
             assert_close_rel(out, want, TOL[dtype])

@@ -3,7 +3,10 @@
 DECODE, and EXTEND requests with a cached prefix and at most `PAGED_EXTEND_MAX_NEW_TOKENS`
 (4) new tokens, run one C++ kernel (`hiserve/jit_kernel/csrc/cpu/paged_attention.h`) over the
 pool through `req_to_token`: no per-request gathered copy, one pass over K/V per KV head for
-all its query heads (GQA), and a flash-decoding split of long contexts across threads. An
+all its query heads (GQA), and a flash-decoding split of long contexts across threads. When
+the kernel runs the whole batch (DECODE, or every request paged) on the plain MHA pool with
+k/v in the pool's dtype, the same C++ call first stores the new tokens' K/V into the pool
+(in place of `set_kv_buffer`'s two index_put_ per layer and step); otherwise Python stores. An
 EXTEND request without a cached prefix attends only over its own new tokens, which are the
 k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on them directly:
 GEMM-speed prefill, again without reading the pool back. More new tokens over a cached prefix
@@ -28,6 +31,7 @@ from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.attention.base import AttentionBackend, RadixAttention
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.mem_cache.memory_pool import MHATokenToKVPool
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Above this many new tokens a request over a cached prefix gathers its context and runs SDPA.
@@ -71,6 +75,9 @@ class CpuPagedAttnBackend(AttentionBackend):
         self._mla = bool(getattr(cfg, "kv_lora_rank", None))
         self._meta: _Metadata | None = None
         self._arange_cache: dict[int, torch.Tensor] = {}
+        # The kernel stores the new K/V itself when it runs the whole batch (saves two
+        # index_put_ and their Python per layer and step); False: set_kv_buffer first (A/B).
+        self.fuse_kv_store = True
 
     def _kernel_ok(self, forward_batch: ForwardBatch) -> bool:
         pool = forward_batch.token_to_kv_pool
@@ -127,13 +134,21 @@ class CpuPagedAttnBackend(AttentionBackend):
         if meta is None:
             return self._oracle.forward(q, k, v, layer, forward_batch, save_kv_cache)
         t, pool = q.shape[0], forward_batch.token_to_kv_pool
+        paged_all = meta.paged is not None and meta.paged.q_rows is None  # DECODE, or every request paged
+        if paged_all and save_kv_cache and self._can_fuse_store(pool, k, v, forward_batch.out_cache_loc):
+            # get_*_buffer first: they wait for a layer's load-back, which must land before
+            # the kernel writes the new rows over it.
+            k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+            qk = q if q.dtype == k_buf.dtype else q.to(k_buf.dtype)
+            return self._paged(qk, k_buf, v_buf, layer, forward_batch, meta.paged,
+                               (k, v, forward_batch.out_cache_loc)).to(q.dtype)
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
                                k.view(t, layer.num_kv_heads, layer.head_dim),
                                v.view(t, layer.num_kv_heads, layer.v_head_dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         qk = q if q.dtype == k_buf.dtype else q.to(k_buf.dtype)
-        if meta.paged is not None and meta.paged.q_rows is None:  # DECODE, or every request paged
+        if paged_all:
             return self._paged(qk, k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
         out = q.new_empty((t, layer.num_heads * layer.v_head_dim))
         for start, end in meta.fresh:
@@ -150,11 +165,22 @@ class CpuPagedAttnBackend(AttentionBackend):
         """MLA runs torch_native's path (see `TorchNativeAttnBackend.forward_mla`)."""
         return self._oracle.forward_mla(*args, **kwargs)
 
+    def _can_fuse_store(self, pool, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> bool:
+        """Whether the kernel may store k/v [T, Hkv*D] itself (in place of `set_kv_buffer`):
+        the plain MHA pool exactly (a subclass may store differently), k/v already in its dtype
+        (the kernel copies rows, it does not cast) with contiguous rows, int64 slots."""
+        return (self.fuse_kv_store and type(pool) is MHATokenToKVPool and k.dtype == pool.dtype
+                and v.dtype == pool.dtype and k.dim() == 2 and v.dim() == 2 and k.stride(1) == 1
+                and v.stride(1) == 1 and loc.dtype == torch.int64 and loc.is_cpu)
+
     @staticmethod
-    def _paged(q, k_buf, v_buf, layer: RadixAttention, forward_batch: ForwardBatch, m: _PagedMetadata):
+    def _paged(q, k_buf, v_buf, layer: RadixAttention, forward_batch: ForwardBatch, m: _PagedMetadata,
+               store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """The kernel over m's requests; store: (k_new, v_new, out_cache_loc) written first."""
+        k_new, v_new, loc = store if store is not None else (None, None, None)
         return cpu_kernels.paged_attention(
             q, k_buf, v_buf, forward_batch.req_to_token_pool.req_to_token, m.req_pool_indices, m.seq_lens,
-            m.q_starts, layer.num_heads, layer.scaling)
+            m.q_starts, layer.num_heads, layer.scaling, k_new, v_new, loc)
 
     @staticmethod
     def _fresh(q, k, v, layer: RadixAttention) -> torch.Tensor:

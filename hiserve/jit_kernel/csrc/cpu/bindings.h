@@ -38,14 +38,63 @@ T* ptr(const TensorView& t) {
 }  // namespace cpu
 }  // namespace hiserve
 
+namespace hiserve {
+namespace cpu {
+
+// The optional K/V store of paged_attention: k_new [T', Hkv * D], v_new [T', Hkv * Dv] in the
+// pool's dtype (rows strided, each contiguous), out_cache_loc [T'] int64 contiguous.
+inline int64_t check_kv_store(const TensorView& k_buf, const TensorView& v_buf, const TensorView& k_new,
+                              const TensorView& v_new, const TensorView& loc) {
+  same_dtype(k_buf, k_new, "k_new");
+  same_dtype(k_buf, v_new, "v_new");
+  require(k_new.ndim() == 2 && v_new.ndim() == 2 && loc.ndim() == 1, "k_new/v_new must be 2-D, out_cache_loc 1-D");
+  require_inner_contiguous(k_new, "k_new");
+  require_inner_contiguous(v_new, "v_new");
+  require(loc.dtype().code == kDLInt && loc.dtype().bits == 64 && loc.IsContiguous(),
+          "out_cache_loc must be contiguous int64");
+  const int64_t n = loc.size(0);
+  require(k_new.size(0) == n && v_new.size(0) == n, "k_new/v_new must have one row per out_cache_loc entry");
+  require(k_new.size(1) == k_buf.size(1) * k_buf.size(2) && v_new.size(1) == v_buf.size(1) * v_buf.size(2),
+          "k_new/v_new rows must be Hkv * D / Hkv * Dv wide");
+  return n;
+}
+
+template <typename T>
+void run_paged_attention(const AttnShape& s, const TensorView& q, const TensorView& k_buf, const TensorView& v_buf,
+                         const TensorView& out, const TensorView& req_to_token, const TensorView& req_pool_indices,
+                         const TensorView& seq_lens, const TensorView& q_starts, const KvStore<T>* store, int nt) {
+  if (store != nullptr) store_kv<T>(*store, s, k_buf.size(0), ptr<T>(k_buf), ptr<T>(v_buf), nt);
+  paged_attention<T>(s, ptr<T>(q), ptr<T>(k_buf), ptr<T>(v_buf), ptr<T>(out), ptr<int32_t>(req_to_token),
+                     ptr<int64_t>(req_pool_indices), ptr<int64_t>(seq_lens), ptr<int64_t>(q_starts), nt);
+}
+
+template <typename T>
+void dispatch_paged_attention(const AttnShape& s, const TensorView& q, const TensorView& k_buf,
+                              const TensorView& v_buf, const TensorView& out, const TensorView& req_to_token,
+                              const TensorView& req_pool_indices, const TensorView& seq_lens,
+                              const TensorView& q_starts, const TensorView& k_new, const TensorView& v_new,
+                              const TensorView& loc, bool store, int nt) {
+  if (!store)
+    return run_paged_attention<T>(s, q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
+                                  nullptr, nt);
+  const int64_t n = check_kv_store(k_buf, v_buf, k_new, v_new, loc);
+  const KvStore<T> kv{ptr<T>(k_new), ptr<T>(v_new), ptr<int64_t>(loc), n, k_new.stride(0), v_new.stride(0)};
+  run_paged_attention<T>(s, q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts, &kv, nt);
+}
+
+}  // namespace cpu
+}  // namespace hiserve
+
 // q [T, Hq * D] (row stride free), k_buf [slots, Hkv, D], v_buf [slots, Hkv, Dv], out [T, Hq * Dv]
 // contiguous; req_to_token [R, max_context] int32; req_pool_indices, seq_lens [B] int64;
-// q_starts [B + 1] int64 (cumulative new-token counts).
+// q_starts [B + 1] int64 (cumulative new-token counts). With store_kv, k_new/v_new rows are
+// first copied to the pool at out_cache_loc (check_kv_store); without, those three are unread.
 void paged_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k_buf, tvm::ffi::TensorView v_buf,
                      tvm::ffi::TensorView out, tvm::ffi::TensorView req_to_token,
                      tvm::ffi::TensorView req_pool_indices, tvm::ffi::TensorView seq_lens,
-                     tvm::ffi::TensorView q_starts, int64_t num_q_heads, int64_t num_kv_heads, double scale,
-                     int64_t num_threads) {
+                     tvm::ffi::TensorView q_starts, tvm::ffi::TensorView k_new, tvm::ffi::TensorView v_new,
+                     tvm::ffi::TensorView out_cache_loc, bool store_kv, int64_t num_q_heads, int64_t num_kv_heads,
+                     double scale, int64_t num_threads) {
   using namespace hiserve::cpu;
   const bool bf = is_bf16(q);
   same_dtype(q, k_buf, "k_buf");
@@ -65,13 +114,11 @@ void paged_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k_buf, tvm::ff
           "q_starts runs past q's rows");
   const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
   if (bf)
-    paged_attention<bf16>(s, ptr<bf16>(q), ptr<bf16>(k_buf), ptr<bf16>(v_buf), ptr<bf16>(out),
-                          ptr<int32_t>(req_to_token), ptr<int64_t>(req_pool_indices), ptr<int64_t>(seq_lens),
-                          ptr<int64_t>(q_starts), nt);
+    dispatch_paged_attention<bf16>(s, q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
+                                   k_new, v_new, out_cache_loc, store_kv, nt);
   else
-    paged_attention<float>(s, ptr<float>(q), ptr<float>(k_buf), ptr<float>(v_buf), ptr<float>(out),
-                           ptr<int32_t>(req_to_token), ptr<int64_t>(req_pool_indices), ptr<int64_t>(seq_lens),
-                           ptr<int64_t>(q_starts), nt);
+    dispatch_paged_attention<float>(s, q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, q_starts,
+                                    k_new, v_new, out_cache_loc, store_kv, nt);
 }
 
 // x [T, H] (row stride free), weight [H], out [T, H]; with_residual: residual and new_residual

@@ -252,6 +252,34 @@ void merge_splits(const AttnItem& first, const AttnShape& s, const int64_t* q_st
   }
 }
 
+// The new tokens' K/V rows, stored into the pool before attention reads them (they are the
+// last context slots of their requests). Fusing the store into the kernel call saves a decode
+// step two index_put_ per layer and their Python around them (610 per SmolLM2 step).
+template <typename T>
+struct KvStore {
+  const T* k_new;  // [num_tokens] rows of k_row elements, k_new_stride apart
+  const T* v_new;  // [num_tokens] rows of v_row elements, v_new_stride apart
+  const int64_t* loc;  // [num_tokens] pool slots
+  int64_t num_tokens, k_new_stride, v_new_stride;
+};
+
+// Copy each new token's K/V row to its slot: loc is checked against the pool first (an
+// out-of-range slot raises before anything is written, as index_put_ does). A DECODE batch
+// (num_tokens x Hkv x (D + Dv) elements, 6K at B = 16 on SmolLM2) stays under kGrainSize, so
+// it copies on the calling thread: a parallel region would cost more than the copy.
+template <typename T>
+void store_kv(const KvStore<T>& kv, const AttnShape& s, int64_t pool_slots, T* k_buf, T* v_buf, int num_threads) {
+  for (int64_t t = 0; t < kv.num_tokens; ++t)
+    require(kv.loc[t] >= 0 && kv.loc[t] < pool_slots, "out_cache_loc out of the pool's range");
+  const int64_t k_row = s.num_kv_heads * s.head_dim, v_row = s.num_kv_heads * s.v_head_dim;
+  const bool parallel = num_threads > 1 && kv.num_tokens * (k_row + v_row) >= kGrainSize;
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+  for (int64_t t = 0; t < kv.num_tokens; ++t) {
+    std::memcpy(k_buf + kv.loc[t] * s.k_slot_stride, kv.k_new + t * kv.k_new_stride, k_row * sizeof(T));
+    std::memcpy(v_buf + kv.loc[t] * s.v_slot_stride, kv.v_new + t * kv.v_new_stride, v_row * sizeof(T));
+  }
+}
+
 template <typename T>
 void paged_attention(const AttnShape& s, const T* q, const T* k_buf, const T* v_buf, T* out,
                      const int32_t* req_to_token, const int64_t* req_pool_indices, const int64_t* seq_lens,
