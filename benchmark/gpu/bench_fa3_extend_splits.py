@@ -7,7 +7,9 @@ paged KV, `page_table` [2, max pages]. With few query rows per request (one 64-r
 head) FA3's grid is num_heads x 1 CTAs unless the key range is split (`num_splits`), so the
 attention time grows with L at low occupancy. This times one layer's call, per L and per
 `num_splits` (0 = FA3's own heuristic), with CUDA events over many calls, so the choice of a
-split count for these passes rests on measurement.
+split count for these passes rests on measurement. Each case is timed two ways: eager calls
+(what a pass without graphs pays: Python and launch included) and replays of a CUDA graph that
+holds `--graph-calls` calls (the kernel time a graph replay pays).
 
     python benchmark/gpu/bench_fa3_extend_splits.py [--contexts 2048 6144 8192] [--out-dir DIR]
 
@@ -41,8 +43,25 @@ def time_call(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def case(fa3, ctx: int, t: int, bucket: int, splits: int, args: argparse.Namespace) -> float:
-    """ms of one layer's FA3 call: hit (t rows, ctx + t keys) + padding (bucket - t rows)."""
+def time_graph(fn, calls: int, replays: int) -> float:
+    """Mean ms of one `fn()` inside a CUDA graph of `calls` calls, over `replays` replays."""
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # warm-up outside the graph (FA3's first call sets up its state)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_call(graph.replay, replays) / calls
+
+
+def case(fa3, ctx: int, t: int, bucket: int, splits: int, args: argparse.Namespace) -> tuple[float, float]:
+    """(eager ms, graph ms) of one layer's FA3 call: hit (t rows, ctx + t keys) + padding
+    (bucket - t rows)."""
     dev, p, hq, hkv, d = torch.device("cuda"), args.page_size, args.q_heads, args.kv_heads, args.head_dim
     max_pages = args.max_context // p
     pages = 2 * max_pages + 1
@@ -60,7 +79,7 @@ def case(fa3, ctx: int, t: int, bucket: int, splits: int, args: argparse.Namespa
                                     cu_seqlens_q=cu, max_seqlen_q=max(t, rows - t), softmax_scale=d**-0.5,
                                     causal=True, num_splits=splits)
 
-    return time_call(call, args.iters)
+    return time_call(call, args.iters), time_graph(call, args.graph_calls, args.replays)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,20 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=32, help="to scale one call to a pass")
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=200, help="eager calls timed")
+    ap.add_argument("--graph-calls", type=int, default=32, help="calls captured in one graph (a pass's layers)")
+    ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out-dir", default="benchmark/results")
     ap.add_argument("--name", default="h200_fa3_extend_splits")
     args = ap.parse_args(argv)
     fa3 = fa3_module()
     rows = []
-    print(f"{'ctx':>6} {'new':>4} " + " ".join(f"{'s=' + str(s):>8}" for s in args.splits) + "   (ms per layer call)")
+    print(f"{'ctx':>6} {'new':>4} {'timing':>6} " + " ".join(f"{'s=' + str(s):>8}" for s in args.splits)
+          + "   (ms per layer call; s=0: FA3's heuristic)")
     for ctx in args.contexts:
         for t in args.new_tokens:
             bucket = 1 << (t - 1).bit_length()
-            ms = {s: case(fa3, ctx, t, bucket, s, args) for s in args.splits}
-            rows.append({"context": ctx, "new_tokens": t, "bucket": bucket, "ms_per_layer": ms,
-                         "ms_per_pass": {s: v * args.layers for s, v in ms.items()}})
-            print(f"{ctx:6d} {t:4d} " + " ".join(f"{ms[s]:8.4f}" for s in args.splits), flush=True)
+            both = {s: case(fa3, ctx, t, bucket, s, args) for s in args.splits}
+            eager = {s: e for s, (e, _) in both.items()}
+            graph = {s: g for s, (_, g) in both.items()}
+            rows.append({"context": ctx, "new_tokens": t, "bucket": bucket, "eager_ms_per_call": eager,
+                         "graph_ms_per_call": graph,
+                         "graph_ms_per_pass": {s: v * args.layers for s, v in graph.items()}})
+            for name, ms in (("eager", eager), ("graph", graph)):
+                print(f"{ctx:6d} {t:4d} {name:>6} " + " ".join(f"{ms[s]:8.4f}" for s in args.splits), flush=True)
     record = base_record(torch.device("cuda"), args)
     record["rows"] = rows
     write_record(record, args.out_dir, args.name)

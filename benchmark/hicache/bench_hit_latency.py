@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import random
 import statistics
 import sys
@@ -256,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     # Pages are the unit of matching: a prefix that ends inside a page is matched up to its last
     # full page and the rest is computed again with the new tokens (8120 at page 64: a 120-token
     # extend, not 64). The aligned length times the hit the issue describes; the other the limit.
-    aligned = limit // max(args.page_sizes) * max(args.page_sizes)
-    args.lengths = args.lengths or [2048, 6144, aligned, limit]
+    unit = math.lcm(*args.page_sizes)  # aligned for every page size measured
+    args.lengths = args.lengths or sorted({2048, 6144, limit // unit * unit, limit})
     device = torch.device(args.device)
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     per_token = kv_bytes_per_token(args.shape, itemsize)
