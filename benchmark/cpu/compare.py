@@ -34,6 +34,15 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agreement  # noqa: E402
 import engines  # noqa: E402
+
+# The client shares the machine's cores with the engine under test. HF tokenizers' Rayon pool in
+# this process (the client's tokenizer, loaded before the runs) kept threads busy beside the
+# engine: hiserve's single-stream median TPOT read 14.1 ms with it and 9.8 ms without it
+# (--quick, same 2-core machine, back to back). Off for the client only; each engine starts
+# with its own default (engines.CLIENT_ONLY_ENV).
+if "TOKENIZERS_PARALLELISM" not in os.environ:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    engines.CLIENT_ONLY_ENV.add("TOKENIZERS_PARALLELISM")
 import report  # noqa: E402
 import scenarios  # noqa: E402
 

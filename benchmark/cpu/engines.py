@@ -23,6 +23,8 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_HOME = Path(os.environ.get("BENCH_HOME", Path.home() / ".cache" / "hiserve-bench"))
+# Variables the harness sets for its own (client) process only; engines start without them.
+CLIENT_ONLY_ENV: set[str] = set()
 TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                        "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 
@@ -145,7 +147,8 @@ class RunningEngine:
     def __enter__(self) -> "RunningEngine":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
-        env = {**os.environ, **self.spec.env}
+        env = {k: v for k, v in os.environ.items() if k not in CLIENT_ONLY_ENV}
+        env.update(self.spec.env)
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.spec.argv, env=env, cwd=self.spec.cwd, stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -168,10 +168,13 @@ class CpuPagedAttnBackend(AttentionBackend):
     def _can_fuse_store(self, pool, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> bool:
         """Whether the kernel may store k/v [T, Hkv*D] itself (in place of `set_kv_buffer`):
         the plain MHA pool exactly (a subclass may store differently), k/v already in its dtype
-        (the kernel copies rows, it does not cast) with contiguous rows, int64 slots."""
+        (the kernel copies rows, it does not cast) with contiguous rows of the pool's width,
+        contiguous int64 slots. Anything else takes `set_kv_buffer`, never an error."""
         return (self.fuse_kv_store and type(pool) is MHATokenToKVPool and k.dtype == pool.dtype
                 and v.dtype == pool.dtype and k.dim() == 2 and v.dim() == 2 and k.stride(1) == 1
-                and v.stride(1) == 1 and loc.dtype == torch.int64 and loc.is_cpu)
+                and v.stride(1) == 1 and k.shape[1] == pool.head_num * pool.head_dim
+                and v.shape[1] == pool.head_num * pool.head_dim
+                and loc.dtype == torch.int64 and loc.is_cpu and loc.is_contiguous())
 
     @staticmethod
     def _paged(q, k_buf, v_buf, layer: RadixAttention, forward_batch: ForwardBatch, m: _PagedMetadata,

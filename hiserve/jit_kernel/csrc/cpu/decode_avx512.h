@@ -104,7 +104,8 @@ inline __m512 hsum16(const __m512* v) {
 
 constexpr int kBlockOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
-// fast_exp (common.h) on 16 lanes: the same clamp, reduction and polynomial.
+// fast_exp (common.h) on 16 lanes: the same clamp, reduction and polynomial, except that
+// max/min turn a NaN score into -87 (weight ~0) where the scalar version keeps the NaN.
 inline __m512 fast_exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
