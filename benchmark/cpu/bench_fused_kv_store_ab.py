@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,18 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cpu_attention import lscpu  # noqa: E402
-from common import (  # noqa: E402
-    base_record,
-    fill_kv_pool,
-    make_decode_batch,
-    make_server_args,
-    release_decode_batch,
-    write_record,
-)
+from bench_cpu_attention import setup  # noqa: E402
+from common import make_decode_batch, release_decode_batch, write_record  # noqa: E402
 
 from hiserve.engine.model_runner import ModelRunner  # noqa: E402
-from hiserve.hardware import detect_cpu, usable_cpu_count  # noqa: E402
 from hiserve.jit_kernel import cpu as cpu_kernels  # noqa: E402
 from hiserve.layers.attention.base import RadixAttention  # noqa: E402
 from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend  # noqa: E402
@@ -56,10 +47,10 @@ def layer_call_us(runner: ModelRunner, db: Any, reps: int, clock: Callable[[], f
     q, k, v = qkv[:, : hq * d], qkv[:, hq * d: (hq + hkv) * d], qkv[:, (hq + hkv) * d:]
     samples: dict[str, list[float]] = {"python": [], "fused": []}
     with torch.inference_mode():
-        backend.init_forward_metadata(fb)
         for r in range(reps + 2):
             for name in (("python", "fused") if r % 2 == 0 else ("fused", "python")):
                 backend.fuse_kv_store = name == "fused"
+                backend.init_forward_metadata(fb)  # the backend reads the flag per batch
                 t0 = clock()
                 for _ in range(30):
                     backend.forward(q, k, v, layer, fb)
@@ -111,17 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_kernels.can_use_cpu_kernels():
         print("the CPU kernels cannot be built here: nothing to compare", file=sys.stderr)
         return 1
-    tokens = max(args.batch_sizes) * max(args.contexts) + 64
-    server_args, _ = make_server_args(model_path=args.model_path, device="cpu", dtype=args.dtype,
-                                      attention_backend="cpu_paged", max_total_tokens=tokens,
-                                      max_running_requests=max(args.batch_sizes), page_size=1)
-    runner = ModelRunner(server_args)
-    torch.set_num_threads(args.threads or usable_cpu_count())  # after ModelRunner, which sets its own
-    fill_kv_pool(runner)
-    record = base_record(torch.device("cpu"), args)
-    record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),
-                  model=server_args.model_path, dtype=server_args.dtype, results=[])
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    runner, record, clock = setup(args)
     for bs in args.batch_sizes:
         for ctx in args.contexts:
             r = ab_samples(runner, bs, ctx, args.reps, clock)

@@ -60,6 +60,9 @@ class _PagedMetadata:
 @dataclass
 class _Metadata:
     paged: _PagedMetadata | None
+    # out_cache_loc when the kernel may store the new K/V itself (decided once per batch: it runs
+    # the whole batch, on the plain MHA pool, with contiguous int64 CPU slots); else None
+    store_loc: torch.Tensor | None
     fresh: list[tuple[int, int]]  # (q_start, q_end) of EXTEND requests without a cached prefix
     # (q_start, q_end, context slots [seq_len] int64, causal mask [n, seq_len]) of long chunks
     # over a cached prefix
@@ -98,7 +101,7 @@ class CpuPagedAttnBackend(AttentionBackend):
             starts = self._arange_cache.get(b)
             if starts is None:
                 starts = self._arange_cache.setdefault(b, torch.arange(b + 1, dtype=torch.int64))
-            self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), [], [])
+            self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [])
             return
         fresh, gathered, cached, rows, starts, q = [], [], [], [], [0], 0
         req_to_token = forward_batch.req_to_token_pool.req_to_token
@@ -119,7 +122,8 @@ class CpuPagedAttnBackend(AttentionBackend):
             sel = torch.tensor(cached, dtype=torch.int64)
             q_rows = None if not fresh and not gathered else torch.cat(rows)
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
-        self._meta = _Metadata(paged, fresh, gathered)
+        paged_all = paged is not None and paged.q_rows is None
+        self._meta = _Metadata(paged, self._store_loc(forward_batch) if paged_all else None, fresh, gathered)
 
     def forward(
         self,
@@ -135,13 +139,13 @@ class CpuPagedAttnBackend(AttentionBackend):
             return self._oracle.forward(q, k, v, layer, forward_batch, save_kv_cache)
         t, pool = q.shape[0], forward_batch.token_to_kv_pool
         paged_all = meta.paged is not None and meta.paged.q_rows is None  # DECODE, or every request paged
-        if paged_all and save_kv_cache and self._can_fuse_store(pool, k, v, forward_batch.out_cache_loc):
+        if save_kv_cache and meta.store_loc is not None and k.dtype == v.dtype == pool.dtype:
             # get_*_buffer first: they wait for a layer's load-back, which must land before
             # the kernel writes the new rows over it.
             k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
             qk = q if q.dtype == k_buf.dtype else q.to(k_buf.dtype)
             return self._paged(qk, k_buf, v_buf, layer, forward_batch, meta.paged,
-                               (k, v, forward_batch.out_cache_loc)).to(q.dtype)
+                               (k, v, meta.store_loc)).to(q.dtype)
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc,
                                k.view(t, layer.num_kv_heads, layer.head_dim),
@@ -165,16 +169,16 @@ class CpuPagedAttnBackend(AttentionBackend):
         """MLA runs torch_native's path (see `TorchNativeAttnBackend.forward_mla`)."""
         return self._oracle.forward_mla(*args, **kwargs)
 
-    def _can_fuse_store(self, pool, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> bool:
-        """Whether the kernel may store k/v [T, Hkv*D] itself (in place of `set_kv_buffer`):
-        the plain MHA pool exactly (a subclass may store differently), k/v already in its dtype
-        (the kernel copies rows, it does not cast) with contiguous rows of the pool's width,
-        contiguous int64 slots. Anything else takes `set_kv_buffer`, never an error."""
-        return (self.fuse_kv_store and type(pool) is MHATokenToKVPool and k.dtype == pool.dtype
-                and v.dtype == pool.dtype and k.dim() == 2 and v.dim() == 2 and k.stride(1) == 1
-                and v.stride(1) == 1 and k.shape[1] == pool.head_num * pool.head_dim
-                and v.shape[1] == pool.head_num * pool.head_dim
-                and loc.dtype == torch.int64 and loc.is_cpu and loc.is_contiguous())
+    def _store_loc(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """out_cache_loc if the kernel may store this batch's new K/V (in place of
+        `set_kv_buffer`): the plain MHA pool exactly (a subclass may store differently) and
+        contiguous int64 CPU slots. Per layer only k/v's dtype is then checked (the kernel copies
+        rows, it does not cast); their layout is the wrapper's one validation."""
+        loc = forward_batch.out_cache_loc
+        if (self.fuse_kv_store and type(forward_batch.token_to_kv_pool) is MHATokenToKVPool
+                and loc.dtype == torch.int64 and loc.is_cpu and loc.is_contiguous()):
+            return loc
+        return None
 
     @staticmethod
     def _paged(q, k_buf, v_buf, layer: RadixAttention, forward_batch: ForwardBatch, m: _PagedMetadata,
