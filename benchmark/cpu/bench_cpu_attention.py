@@ -127,6 +127,23 @@ def bench_config(runner: ModelRunner, bs: int, ctx: int, reps: int, clock: Calla
             "step_speedup_vs_baseline": step_ms["baseline"] / step_ms["cpu_paged"]}
 
 
+def setup(args: argparse.Namespace) -> tuple[ModelRunner, dict[str, Any], Callable[[], float]]:
+    """The default model on `cpu_paged` with a pool for the largest batch x context (filled with
+    random K/V), torch on `--threads`; the JSON record's header (lscpu, CPU, threads, model);
+    the clock `--clock` names. Shared with bench_fused_kv_store_ab.py."""
+    tokens = max(args.batch_sizes) * max(args.contexts) + 64
+    server_args, _ = make_server_args(model_path=args.model_path, device="cpu", dtype=args.dtype,
+                                      attention_backend="cpu_paged", max_total_tokens=tokens,
+                                      max_running_requests=max(args.batch_sizes), page_size=1)
+    runner = ModelRunner(server_args)
+    torch.set_num_threads(args.threads or usable_cpu_count())  # after ModelRunner, which sets its own
+    fill_kv_pool(runner)
+    record = base_record(torch.device("cpu"), args)
+    record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),
+                  model=server_args.model_path, dtype=server_args.dtype, results=[])
+    return runner, record, time.perf_counter if args.clock == "wall" else time.process_time
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default=None, help="default: the installed SmolLM2-135M GGUF")
@@ -147,17 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_kernels.can_use_cpu_kernels():
         print("the CPU kernels cannot be built here: nothing to compare", file=sys.stderr)
         return 1
-    tokens = max(args.batch_sizes) * max(args.contexts) + 64
-    server_args, _ = make_server_args(model_path=args.model_path, device="cpu", dtype=args.dtype,
-                                      attention_backend="cpu_paged", max_total_tokens=tokens,
-                                      max_running_requests=max(args.batch_sizes), page_size=1)
-    runner = ModelRunner(server_args)
-    torch.set_num_threads(args.threads or usable_cpu_count())  # after ModelRunner, which sets its own
-    fill_kv_pool(runner)
-    record = base_record(torch.device("cpu"), args)
-    record.update(lscpu=lscpu(), cpu=detect_cpu().describe(), torch_threads=torch.get_num_threads(),
-                  model=server_args.model_path, dtype=server_args.dtype, results=[])
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    runner, record, clock = setup(args)
     for bs in args.batch_sizes:
         for ctx in args.contexts:
             r = bench_config(runner, bs, ctx, args.reps, clock)

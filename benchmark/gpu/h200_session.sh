@@ -3,10 +3,11 @@
 #   bash benchmark/gpu/h200_session.sh tests        # CUDA-marked tests + transfer/decode benchmarks (~8 min)
 #   bash benchmark/gpu/h200_session.sh e2e          # GPU serving end to end: 500/500 identity (~5 min)
 #   bash benchmark/gpu/h200_session.sh hits         # cold / device-hit / host-hit latency (~6 min)
-#   bash benchmark/gpu/h200_session.sh final-a      # after the last edit: CUDA tests, Llama serving identity,
-#                                                   #   eviction / write-back decode, hit latency page 64 (~9 min)
+#   bash benchmark/gpu/h200_session.sh final-a      # after the last GPU-path edit: CUDA tests, Llama serving
+#                                                   #   identity, decode during eviction / write-back (~8 min)
 #   bash benchmark/gpu/h200_session.sh final-b      # MLA serving identity, write-back bandwidth, hit latency
-#                                                   #   page 64 again (its JSON; at most 8 files come back) (~6 min)
+#                                                   #   page 64 incl. the page-aligned limit (~7 min)
+#                                                   #   (s7-final-a / s7-final-b: the same, as session 7 ran them)
 #   bash benchmark/gpu/h200_session.sh issue10      # CUDA-marked tests, hit latency (page 16, 64), decode during
 #                                                   #   eviction write-back (~9 min)
 #   bash benchmark/gpu/h200_session.sh hit-path     # client vs server time of a device hit, py-spy of every
@@ -31,10 +32,6 @@
 #                                                   #   overlap at concurrency 160 with a step profile (~8 min)
 #   bash benchmark/gpu/h200_session.sh s7-probe     # hit latency page 64 with overlap on / off; issue 12 at
 #                                                   #   concurrency 1 and 16 with one prefill per wave (~8 min)
-#   bash benchmark/gpu/h200_session.sh s7-final-a   # after the last GPU-path edit: CUDA tests, Llama serving
-#                                                   #   identity, decode during eviction / write-back (~8 min)
-#   bash benchmark/gpu/h200_session.sh s7-final-b   # MLA serving identity, write-back bandwidth, hit latency
-#                                                   #   page 64 incl. the page-aligned limit (~7 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
 # project's missing wheels installed (README of benchmark/gpu).
@@ -136,30 +133,6 @@ case "${1:-tests}" in
     timeout 60 python3 benchmark/gpu/bench_decode_during_eviction.py --out-dir "$OUT" 2>&1 | tail -6 \
       | tee "$OUT/eviction.txt"
     ;;
-  final-a)
-    # After the last edit, part 1 (one call, ~9 min): CUDA-marked tests, Llama-3-8B serving identity
-    # (500/500 with and without the host tier, overlap on), decode during eviction and during
-    # write-back, hit latency at page 64.
-    timeout 110 python3 -m pytest -m cuda test/jit test/unit -q -x -p no:cacheprovider 2>&1 | tail -4 \
-      | tee "$OUT/cuda_tests.txt"
-    timeout 280 python3 -m pytest -m cuda test/gpu -k llama3 -q -x -p no:cacheprovider 2>&1 | tail -12 \
-      | tee "$OUT/gpu_e2e_llama3.txt"
-    timeout 50 python3 benchmark/gpu/bench_decode_during_eviction.py --out-dir "$OUT" 2>&1 | tail -2 \
-      | tee "$OUT/eviction.txt"
-    timeout 60 python3 benchmark/gpu/bench_decode_during_write_back.py --batch-sizes 16 --repeats 3 \
-      --out-dir "$OUT" 2>&1 | tail -12 | tee "$OUT/write_back_decode.txt"
-    timeout 90 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
-      2>&1 | tail -8 | tee "$OUT/hit_latency.txt"
-    ;;
-  final-b)
-    # Part 2 (~4 min): MLA serving identity (triton), the write-back bandwidth benchmark.
-    timeout 200 python3 -m pytest -m cuda test/gpu -k deepseek -q -x -p no:cacheprovider 2>&1 | tail -12 \
-      | tee "$OUT/gpu_e2e_mla.txt"
-    timeout 60 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
-      | tee "$OUT/write_back.txt"
-    timeout 100 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
-      --name h200_hit_latency_final >/dev/null 2>&1
-    ;;
   s7-probe)
     # Session 7: device/host hit latency at page 64 with the overlap scheduler (default) and without it
     # (a lone request's hand-off to the worker thread), then issue 12's concurrency 1 and 16 with every
@@ -171,9 +144,10 @@ case "${1:-tests}" in
     timeout 260 python3 benchmark/gpu/bench_overlap.py --concurrency 1 16 --num-prompts 16 --modes overlap \
       --server-extra "--chunked-prefill-size 16384" --name h200_overlap_one_wave_s7 --out-dir "$OUT" 2>&1 | tail -16
     ;;
-  s7-final-a)
-    # Session 7, after the last edit of GPU-path code, part 1: CUDA-marked tests, Llama-3-8B serving
-    # identity (500/500 with and without the host tier, overlap on), decode during eviction / write-back.
+  final-a|s7-final-a)
+    # After the last edit of GPU-path code, part 1 (s7-final-a: session 7's name for it):
+    # CUDA-marked tests, Llama-3-8B serving identity (500/500 with and without the host tier, overlap
+    # on), decode during eviction / write-back.
     timeout 110 python3 -m pytest -m cuda test/jit test/unit -q -x -p no:cacheprovider 2>&1 | tail -4 \
       | tee "$OUT/cuda_tests.txt"
     timeout 280 python3 -m pytest -m cuda test/gpu -k llama3 -q -x -p no:cacheprovider 2>&1 | tail -12 \
@@ -183,7 +157,7 @@ case "${1:-tests}" in
     timeout 60 python3 benchmark/gpu/bench_decode_during_write_back.py --batch-sizes 16 --repeats 3 \
       --out-dir "$OUT" 2>&1 | tail -12 | tee "$OUT/write_back_decode.txt"
     ;;
-  s7-final-b)
+  final-b|s7-final-b)
     # Part 2: MLA serving identity (triton), write-back bandwidth, hit latency at page 64 (2K, 6K, the
     # longest page-aligned prefix, the context limit). The MLA servers' first start compiles Triton
     # kernels on a fresh machine: 237 s of setup once, past the old 200 s limit.
@@ -192,7 +166,7 @@ case "${1:-tests}" in
     timeout 60 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
       | tee "$OUT/write_back.txt"
     timeout 170 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
-      --name h200_hit_latency_s7_final 2>&1 | tail -9
+      --name h200_hit_latency_final 2>&1 | tail -9
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \
