@@ -28,12 +28,14 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 class Case:
     """One pool, one layer, both backends; `step` runs both on the same batch and compares."""
 
-    def __init__(self, *, page_size, group, dtype, hkv=2, head_dim=64, pool_tokens=4096, max_context=4608):
+    def __init__(self, *, page_size, group, dtype, hkv=2, head_dim=64, pool_tokens=4096, max_context=4608,
+                 route="sdpa"):
         torch.manual_seed(page_size * 100 + group)
         self.dtype, self.hkv, self.hq, self.d = dtype, hkv, hkv * group, head_dim
         kv = MHATokenToKVPool(pool_tokens, page_size, dtype, hkv, head_dim, 1, "cpu")
         self.pools = Pools(kv, max_reqs=8, max_context=max_context)
         self.backend, self.oracle = CpuPagedAttnBackend(self.pools), TorchNativeAttnBackend()
+        self.backend.extend_route = route  # EXTEND routing under test (the server decides it per CPU)
         self.layer = RadixAttention(self.hq, head_dim, head_dim ** -0.5, hkv, layer_id=0)
 
     def step(self, mode: ForwardMode, new_lens: dict[str, int]) -> None:
@@ -50,33 +52,42 @@ class Case:
         assert_close_rel(got, want, TOL[self.dtype])
 
 
+@pytest.mark.parametrize("route", ["sdpa", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group, dtype):
-    c = Case(page_size=page_size, group=group, dtype=dtype)
-    c.step(EXTEND, {"a": 1, "b": 37, "c": 130})  # fresh prompts (SDPA on the new k/v)
-    # cached prefixes: up to PAGED_EXTEND_MAX_NEW_TOKENS new tokens through the paged kernel
-    # (a: 3, c: 1), more through gather + SDPA (b: 21), mixed with a fresh prompt (d)
+def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group, dtype, route):
+    """Both EXTEND routings (`extend_routing`), whichever this CPU picks by itself."""
+    c = Case(page_size=page_size, group=group, dtype=dtype, route=route)
+    c.step(EXTEND, {"a": 1, "b": 37, "c": 130})  # fresh prompts (sdpa: SDPA on the new k/v)
+    # sdpa: up to PAGED_EXTEND_MAX_NEW_TOKENS new tokens over a cached prefix through the paged
+    # kernel (a: 3, c: 1), more through gather + SDPA (b: 21), mixed with a fresh prompt (d);
+    # kernel: all four through the paged kernel
     c.step(EXTEND, {"b": 21, "d": 5, "c": 1, "a": 3})
-    assert sorted(len(m[2]) for m in c.backend._meta.gathered) == [37 + 21]
+    meta = c.backend._meta
+    if route == "sdpa":
+        assert sorted(len(m[2]) for m in meta.gathered) == [37 + 21] and len(meta.fresh) == 1
+    else:
+        assert not meta.gathered and not meta.fresh and meta.paged.q_rows is None
     for _ in range(3):
         c.step(DECODE, {"a": 1, "b": 1, "c": 1, "d": 1})
     c.step(DECODE, {"e": 1, "a": 1})  # a context of 1 beside a longer one
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("page_size, paged_chunk", [(1, False), (64, True)])
-def test_long_contexts_split_and_merge(monkeypatch, page_size, paged_chunk, dtype):
+@pytest.mark.parametrize("page_size, mode", [(1, "gather"), (64, "paged_limit"), (16, "kernel")])
+def test_long_contexts_split_and_merge(monkeypatch, page_size, mode, dtype):
     """Contexts 4096 / 1000 / 300: the decode kernel splits them over threads and merges.
-    The 1095-token chunk over a 3000-token prefix goes through gather + SDPA by default
-    (above PAGED_EXTEND_MAX_NEW_TOKENS), and through the paged kernel when the limit is lifted."""
-    if paged_chunk:
+    The 1095-token chunk over a 3000-token prefix goes through gather + SDPA on the "sdpa"
+    routing (above PAGED_EXTEND_MAX_NEW_TOKENS), and through the paged kernel when that limit is
+    lifted or on the "kernel" routing."""
+    if mode == "paged_limit":
         monkeypatch.setattr(cpu_backend, "PAGED_EXTEND_MAX_NEW_TOKENS", 1 << 20)
-    c = Case(page_size=page_size, group=3, dtype=dtype, pool_tokens=5632)
+    c = Case(page_size=page_size, group=3, dtype=dtype, pool_tokens=5632,
+             route="kernel" if mode == "kernel" else "sdpa")
     c.step(EXTEND, {"long": 3000, "mid": 999, "short": 299})
     c.step(EXTEND, {"long": 1095, "mid": 1, "new": 40})  # long chunk, short chunk, fresh prompt
-    assert (len(c.backend._meta.gathered) == 1) != paged_chunk
+    assert (len(c.backend._meta.gathered) == 1) == (mode == "gather")
     c.step(DECODE, {"long": 1, "mid": 1, "short": 1, "new": 1})
     assert c.pools.lens["long"] == 4096
     c.step(DECODE, {"long": 1, "mid": 1, "short": 1})

@@ -42,6 +42,7 @@ def make(dtype, group, page_size=1, hkv=3, pool_cls=MHATokenToKVPool):
     pools = Pools(pool, max_reqs=8, max_context=1024)
     layer = RadixAttention(hkv * group, D, D ** -0.5, hkv, layer_id=0)
     backend = CpuPagedAttnBackend(pools)
+    backend.extend_route = "sdpa"  # tests that want the other EXTEND routing set it
     backend.init_forward_metadata(pools.batch(EXTEND, {"a": 1, "b": 17, "c": 64, "d": 300}, backend))
     return pools, layer, backend
 
@@ -67,8 +68,13 @@ def run(backend, fused: bool, q, k, v, layer, fb):
 def test_fused_store_equals_set_kv_buffer_then_kernel(monkeypatch, dtype, group, page_size):
     pools, layer, backend = make(dtype, group, page_size)
     pool, oracle = pools.token_to_kv_pool, TorchNativeAttnBackend()
-    for new_lens in ({"a": 1, "b": 1, "c": 1, "d": 1}, {"d": 1, "a": 1}, {"b": 1, "c": 1, "a": 1, "d": 1}):
-        fb = pools.batch(DECODE, new_lens, backend)
+    # DECODE batches, then EXTEND ones on the "kernel" routing (every request paged: a chunk
+    # over a cached prefix and a fresh prompt), where the kernel stores too
+    for mode, new_lens in ((DECODE, {"a": 1, "b": 1, "c": 1, "d": 1}), (DECODE, {"d": 1, "a": 1}),
+                           (DECODE, {"b": 1, "c": 1, "a": 1, "d": 1}), (EXTEND, {"a": 7, "e": 40}),
+                           (EXTEND, {"b": 2, "c": 19, "f": 3})):
+        backend.extend_route = "kernel"
+        fb = pools.batch(mode, new_lens, backend)
         q, k, v = fused_qkv(fb.out_cache_loc.numel(), layer, dtype)
         before = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
         want = run(backend, False, q, k, v, layer, fb)

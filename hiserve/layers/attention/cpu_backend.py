@@ -1,19 +1,28 @@
 """`cpu_paged`: attention on the CPU that reads K/V in place from the device pool.
 
-DECODE, and EXTEND requests with a cached prefix and at most `PAGED_EXTEND_MAX_NEW_TOKENS`
-(4) new tokens, run one C++ kernel (`hiserve/jit_kernel/csrc/cpu/paged_attention.h`) over the
-pool through `req_to_token`: no per-request gathered copy, one pass over K/V per KV head for
-all its query heads (GQA), and a flash-decoding split of long contexts across threads. When
-the kernel runs the whole batch (DECODE, or every request paged) on the plain MHA pool with
-k/v in the pool's dtype, the same C++ call first stores the new tokens' K/V into the pool
-(in place of `set_kv_buffer`'s two index_put_ per layer and step); otherwise Python stores. An
-EXTEND request without a cached prefix attends only over its own new tokens, which are the
-k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on them directly:
-GEMM-speed prefill, again without reading the pool back. More new tokens over a cached prefix
-(a question after a cached system prompt, a chunk of chunked prefill) are compute-bound, where
-SDPA's GEMMs beat the kernel's vector loops (1.7x at 8 new tokens, 2-3x from 16) and the gathered copy is
-small beside the attention work, so such a request gathers its context and runs SDPA as
-torch_native does.
+DECODE runs one C++ kernel (`hiserve/jit_kernel/csrc/cpu/paged_attention.h`) over the pool
+through `req_to_token`: no per-request gathered copy, one pass over K/V per KV head for all its
+query heads (GQA), and a flash-decoding split of long contexts across threads. When the kernel
+runs the whole batch on the plain MHA pool with k/v in the pool's dtype, the same C++ call first
+stores the new tokens' K/V into the pool (in place of `set_kv_buffer`'s two index_put_ per layer
+and step); otherwise Python stores.
+
+EXTEND is routed once per backend from the CPU's features and the pool (`extend_routing`,
+logged once):
+
+* "kernel": a bf16 pool on an AVX512-BF16 CPU without AMX. Every EXTEND request (a fresh prompt,
+  a question after a cached system prompt, a chunk of chunked prefill) runs the same kernel,
+  whose multi-query tiles put both products on `_mm512_dpbf16_ps`
+  (`csrc/cpu/extend_avx512bf16.h`): 3.2-5.0x torch's SDPA on one thread of the EPYC
+  (benchmark/cpu/bench_extend_attention_ab.py).
+* "sdpa" otherwise: requests over a cached prefix with at most `PAGED_EXTEND_MAX_NEW_TOKENS` (4)
+  new tokens take the kernel (its portable loops); a fresh prompt attends only over its own new
+  tokens, which are the k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on
+  them directly; a longer chunk over a cached prefix gathers its context and runs SDPA as
+  torch_native does. With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
+  than the kernel's dpbf16 (not measured here: no AMX CPU was at hand); without native bf16 or
+  with a float32 pool the kernel's loops are fp32 FMAs, where SDPA's GEMMs win from a few rows.
+  `HISERVE_CPU_EXTEND_ATTENTION=kernel|sdpa` overrides the choice (an A/B on a new CPU).
 
 When the kernels cannot be built here (no compiler, no apache-tvm-ffi; one warning is
 logged) or the pool's dtype is not float32/bfloat16, every pass runs `torch_native` (the
@@ -22,28 +31,52 @@ oracle this backend is tested against). MLA models always run torch_native's MLA
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hiserve.hardware import detect_cpu
 from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.attention.base import AttentionBackend, RadixAttention
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.mem_cache.memory_pool import MHATokenToKVPool
 
+logger = logging.getLogger(__name__)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Above this many new tokens a request over a cached prefix gathers its context and runs SDPA.
-# The kernel's EXTEND path is vector loops per (query block, KV head); SDPA's flash attention
-# runs GEMM micro-kernels, which only gain on wider bf16 units (AMX), so the crossover sits at
-# a few rows on any x86 CPU. Re-measured in process CPU time on one thread (robust on a shared
-# machine; benchmark/cpu/bench_extend_attention_ab.py, benchmark/results/
-# cpu_extend_attention_ab.json; SmolLM2 heads, bf16, AVX512-BF16): SDPA 1.1x faster at 2 new
-# tokens over 1000 cached, 1.3x at 4, 1.7x at 8, 2-3x from 16 to 128 (and over 2048 cached);
-# the kernel stays ~4x faster for DECODE (one token). (An earlier wall-clock A/B on a loaded
-# machine had put the crossover at ~128.)
+# With the "sdpa" EXTEND routing, above this many new tokens a request over a cached prefix
+# gathers its context and runs SDPA. The kernel's portable EXTEND path is fp32 vector loops per
+# (query block, KV head); SDPA's flash attention runs GEMM micro-kernels, so the crossover sits
+# at a few rows. Measured before the dpbf16 tiles existed, in process CPU time on one thread
+# (SmolLM2 heads, bf16): SDPA 1.1x faster at 2 new tokens over 1000 cached, 1.3x at 4, 1.7x at
+# 8, 2-3x from 16 to 128 (and over 2048 cached); the kernel stays ~4x faster for DECODE.
 PAGED_EXTEND_MAX_NEW_TOKENS = 4
+_TILE_MAX_DIM = 256  # extend_avx512bf16.h: kExtendMaxDim (head dims a multiple of 32)
+
+
+def extend_routing(dtype: torch.dtype, head_dim: int, v_head_dim: int) -> tuple[str, str]:
+    """("kernel" | "sdpa", why) for EXTEND requests over a pool of `dtype` with these head
+    dims on this CPU (see the module docstring). `HISERVE_CPU_EXTEND_ATTENTION` = "kernel" or
+    "sdpa" overrides "auto"; "kernel" where the dpbf16 tiles do not apply runs the kernel's
+    portable loops (correct, slower). Raises ValueError on another value."""
+    choice = os.environ.get("HISERVE_CPU_EXTEND_ATTENTION", "auto")
+    if choice not in ("auto", "kernel", "sdpa"):
+        raise ValueError(f"HISERVE_CPU_EXTEND_ATTENTION must be auto, kernel or sdpa, got {choice!r}")
+    if choice != "auto":
+        return choice, f"HISERVE_CPU_EXTEND_ATTENTION={choice}"
+    cpu = detect_cpu()
+    if cpu.isa != "avx512_bf16":
+        return "sdpa", f"kernel ISA {cpu.isa}: no AVX512-BF16 for the kernel's dpbf16 tiles"
+    if dtype != torch.bfloat16:
+        return "sdpa", f"{dtype} pool: the dpbf16 tiles read bf16"
+    if head_dim != v_head_dim or head_dim % 32 or head_dim > _TILE_MAX_DIM:
+        return "sdpa", f"head dims {head_dim}/{v_head_dim}: the tiles take equal dims, a multiple of 32, <= 256"
+    if "amx_bf16" in cpu.features:
+        return "sdpa", "AMX: SDPA's flash attention runs oneDNN's AMX tiles"
+    return "kernel", "AVX512-BF16 without AMX: the kernel's dpbf16 tiles (3.2-5.0x SDPA, one thread)"
 
 
 @dataclass
@@ -81,6 +114,8 @@ class CpuPagedAttnBackend(AttentionBackend):
         # The kernel stores the new K/V itself when it runs the whole batch (saves two
         # index_put_ and their Python per layer and step); False: set_kv_buffer first (A/B).
         self.fuse_kv_store = True
+        # "kernel" | "sdpa" (extend_routing), decided from the pool at the first batch unless set.
+        self.extend_route: str | None = None
 
     def _kernel_ok(self, forward_batch: ForwardBatch) -> bool:
         pool = forward_batch.token_to_kv_pool
@@ -105,8 +140,12 @@ class CpuPagedAttnBackend(AttentionBackend):
             return
         fresh, gathered, cached, rows, starts, q = [], [], [], [], [0], 0
         req_to_token = forward_batch.req_to_token_pool.req_to_token
+        all_paged = self._extend_route(forward_batch.token_to_kv_pool) == "kernel"
         for i, (n, prefix) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)):
-            if prefix == 0:
+            if all_paged:
+                cached.append(i)
+                starts.append(starts[-1] + n)
+            elif prefix == 0:
                 fresh.append((q, q + n))
             elif n > PAGED_EXTEND_MAX_NEW_TOKENS:
                 slots = req_to_token[int(idx[i]), : prefix + n].long()
@@ -120,7 +159,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         paged = None
         if cached:
             sel = torch.tensor(cached, dtype=torch.int64)
-            q_rows = None if not fresh and not gathered else torch.cat(rows)
+            q_rows = None if not fresh and not gathered else torch.cat(rows)  # all_paged: None
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
         self._meta = _Metadata(paged, self._store_loc(forward_batch) if paged_all else None, fresh, gathered)
@@ -168,6 +207,13 @@ class CpuPagedAttnBackend(AttentionBackend):
     def forward_mla(self, *args, **kwargs) -> torch.Tensor:
         """MLA runs torch_native's path (see `TorchNativeAttnBackend.forward_mla`)."""
         return self._oracle.forward_mla(*args, **kwargs)
+
+    def _extend_route(self, pool) -> str:
+        if self.extend_route is None:
+            d = pool.head_dim
+            self.extend_route, why = extend_routing(pool.dtype, d, getattr(pool, "v_head_dim", d))
+            logger.info("CPU EXTEND attention: %s (%s)", self.extend_route, why)
+        return self.extend_route
 
     def _store_loc(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
         """out_cache_loc if the kernel may store this batch's new K/V (in place of

@@ -24,6 +24,7 @@
 
 #include "common.h"
 #include "decode_avx512.h"
+#include "extend_avx512bf16.h"
 
 namespace hiserve {
 namespace cpu {
@@ -172,10 +173,27 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   float* l = m + rows;        // [rows]
   float* acc = l + rows;      // [rows, Dv]
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  // One query (DECODE) of a small GQA group: the register-blocked path (decode_avx512.h).
+  // One query (DECODE, or the last query block of an EXTEND request holding a single query) of
+  // a small GQA group: the register-blocked path (decode_avx512.h).
   if (nq == 1 && decode_avx512_fits(G, D, Dv))
-    return decode_item(it, s, q + q_starts[it.req] * s.q_row_stride, k_buf, v_buf, slots + k_begin,
+    return decode_item(it, s, q + (q_starts[it.req] + i0) * s.q_row_stride, k_buf, v_buf, slots + k_begin,
                        k_end - k_begin, state);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  // Several queries over a bf16 pool: the dpbf16 tile path (extend_avx512bf16.h).
+  if constexpr (sizeof(T) == 2) {
+    if (nq > 1 && extend_bf16_fits(D, Dv)) {
+      const bf16* q_rows[kQueryBlock * kDecodeMaxGroup * 4];
+      if (rows <= static_cast<int64_t>(sizeof(q_rows) / sizeof(q_rows[0]))) {
+        for (int64_t r = 0; r < rows; ++r)
+          q_rows[r] = reinterpret_cast<const bf16*>(q) + (q_starts[it.req] + i0 + r / G) * s.q_row_stride +
+                      (it.kv_head * G + r % G) * D;
+        return extend_item_bf16(q_rows, rows, G, D, s.scale, reinterpret_cast<const bf16*>(k_buf) + it.kv_head * D,
+                                reinterpret_cast<const bf16*>(v_buf) + it.kv_head * Dv, s.k_slot_stride,
+                                s.v_slot_stride, slots, k_begin, k_end, prefix + i0, m, l, acc);
+      }
+    }
+  }
 #endif
   w.reserve(kQueryBlock * G, D, Dv);
   for (int64_t r = 0; r < rows; ++r) {

@@ -1,0 +1,120 @@
+"""EXTEND (several new tokens per request) through the paged CPU kernel against a float64
+reference, at every ISA tier this CPU runs: on avx512_bf16 a bf16 pool takes the dpbf16 tiles
+(csrc/cpu/extend_avx512bf16.h), other tiers and float32 the portable loops. Cases sit at the
+tiles' edges (64-key tiles, 4-row blocks, 16-query blocks), cover fresh prompts (no prefix) and
+chunks over a cached prefix, GQA ratios 1/3/8, head dims with and without the tile layout, and
+one and two threads (two: key splits and their merge). Also the backend's EXTEND routing
+(`extend_routing`) and its override."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_pools import assert_close_rel
+
+from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.attention import cpu_backend
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="CPU kernels cannot be built here")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# (prefix, new tokens): fresh prompts and chunks over a prefix, at the 64-key tile and the
+# 16-query block edges; row counts (new x group) leave every remainder of the 4-row block.
+REQUESTS = [(0, 2), (0, 17), (1, 5), (63, 3), (64, 16), (65, 50), (0, 130), (300, 7), (1000, 33)]
+
+
+def extend_inputs(dtype, *, group, head_dim, requests, hkv=2, seed=0):
+    """One EXTEND batch for the kernel: request b has prefix_b + n_b context tokens on shuffled
+    pool slots, its n_b new tokens the last of them."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, total = hkv * group, sum(p + n for p, n in requests)
+    k = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
+    r2t = torch.zeros(len(requests), max(p + n for p, n in requests), dtype=torch.int32)
+    slots, used = torch.randperm(total + 5, generator=gen)[:total].to(torch.int32), 0
+    for i, (p, n) in enumerate(requests):
+        r2t[i, :p + n] = slots[used:used + p + n]
+        used += p + n
+    news = [n for _, n in requests]
+    q = torch.randn(sum(news), hq * head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([p + n for p, n in requests], dtype=torch.int64)
+    starts = torch.tensor([0] + news, dtype=torch.int64).cumsum(0)
+    return q, k, v, r2t, torch.arange(len(requests), dtype=torch.int64), lens, starts, hq
+
+
+def extend_reference(q, k, v, r2t, lens, starts, hq, scale):
+    """float64 causal softmax(q k^T scale) v: query i of request b (of n) sees its first
+    len_b - n + i + 1 keys. Returns [T, hq * d] in q's dtype."""
+    hkv, d = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape[0], hq, d, dtype=torch.float64)
+    for b, total in enumerate(lens.tolist()):
+        s0, s1 = int(starts[b]), int(starts[b + 1])
+        n, slots = s1 - s0, r2t[b, :total].long()
+        kk = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [total, hq, d]
+        vv = v[slots].double().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", q[s0:s1].double().view(n, hq, d), kk) * scale
+        visible = torch.arange(total).view(1, -1) <= torch.arange(total - n, total).view(-1, 1)  # [n, total]
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[s0:s1] = torch.einsum("hij,jhd->ihd", p, vv)
+    return out.view(q.shape[0], hq * d).to(q.dtype)
+
+
+def assert_close_per_token(got, want, tol):
+    """Each output row against its own scale (a one-key row is a raw V row, a long one a mean)."""
+    for i in range(want.shape[0]):
+        assert_close_rel(got[i], want[i], tol)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (3, 64), (8, 64), (3, 32), (2, 128), (1, 256), (3, 80)])
+def test_extend_kernel_every_isa_tier(isa, dtype, group, head_dim):
+    """Head dim 80 is not a multiple of 32: the portable loops even on avx512_bf16."""
+    mod = cpu_kernels.load_cpu_module(isa)
+    q, k, v, r2t, idx, lens, starts, hq = extend_inputs(dtype, group=group, head_dim=head_dim, requests=REQUESTS,
+                                                        seed=group * 1000 + head_dim)
+    scale = head_dim ** -0.5
+    want = extend_reference(q, k, v, r2t, lens, starts, hq, scale)
+    for threads in (1, 2):
+        out = torch.empty_like(q)
+        mod.paged_attention(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts, False, hq,
+                            k.shape[1], scale, threads)
+        assert_close_per_token(out, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_lone_long_request_splits(dtype):
+    """One request on one KV head, 40 queries over 3000 keys, two threads: few work items, so
+    the keys are split and the partial states merged."""
+    q, k, v, r2t, idx, lens, starts, hq = extend_inputs(dtype, group=3, head_dim=64, requests=[(3000, 40)], hkv=1)
+    want = extend_reference(q, k, v, r2t, lens, starts, hq, 0.125)
+    got = cpu_kernels.load_cpu_module().paged_attention
+    out = torch.empty_like(q)
+    got(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts, False, hq, 1, 0.125, 2)
+    assert_close_per_token(out, want, TOL[dtype])
+
+
+def test_extend_tile_outliers_stay_finite():
+    """Large score spreads (a row's max changes tile to tile, masked lanes at -inf): the online
+    softmax must not produce NaN/inf and must match the reference."""
+    q, k, v, r2t, idx, lens, starts, hq = extend_inputs(torch.bfloat16, group=3, head_dim=64,
+                                                        requests=[(200, 20), (0, 70)], seed=7)
+    k[::37] *= 40  # a few keys with huge scores, scattered across tiles
+    want = extend_reference(q, k, v, r2t, lens, starts, hq, 0.125)
+    got = cpu_kernels.paged_attention(q, k, v, r2t, idx, lens, starts, hq, 0.125)
+    assert torch.isfinite(got.float()).all()
+    assert_close_per_token(got, want, TOL[torch.bfloat16])
+
+
+def test_extend_routing_choice_and_override(monkeypatch):
+    monkeypatch.delenv("HISERVE_CPU_EXTEND_ATTENTION", raising=False)
+    assert cpu_backend.extend_routing(torch.float32, 64, 64)[0] == "sdpa"  # the tiles read bf16
+    assert cpu_backend.extend_routing(torch.bfloat16, 80, 80)[0] == "sdpa"
+    route, why = cpu_backend.extend_routing(torch.bfloat16, 64, 64)
+    cpu = cpu_backend.detect_cpu()
+    assert route == ("kernel" if cpu.isa == "avx512_bf16" and "amx_bf16" not in cpu.features else "sdpa"), why
+    for choice in ("kernel", "sdpa"):
+        monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", choice)
+        assert cpu_backend.extend_routing(torch.float32, 64, 64)[0] == choice
+    monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="HISERVE_CPU_EXTEND_ATTENTION"):
+        cpu_backend.extend_routing(torch.bfloat16, 64, 64)
