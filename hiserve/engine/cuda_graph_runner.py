@@ -12,7 +12,7 @@ refill its own static metadata, and replays.
   padding page), with seq_len `attn_backend.get_cuda_graph_seq_len_fill_value()`, and
   they write their K/V into slot 0.
 - All graphs share one memory pool and are captured largest first, so the smaller ones
-  reuse the largest one's memory.
+  reuse the largest one's memory (`graph_capture.py`, shared with the extend graphs).
 - Sampling stays outside the graph (it reads per-request settings on the host).
 - Host -> device load-back never concerns a decode replay: only the EXTEND batch that reads
   a load-back waits for it (per layer when eager, as a whole before an extend-graph replay:
@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hiserve.engine.graph_capture import capture_forward, capture_graphs
 from hiserve.layers.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from hiserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_WARMUP_RUNS = 2
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -123,39 +121,17 @@ class CudaGraphRunner:
 
     def capture(self) -> None:
         """Capture one graph per size in `capture_bs`, largest first, into one shared memory pool."""
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        start = time.perf_counter()
         self.graph_pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        with torch.inference_mode():
-            for bs in reversed(self.capture_bs):
-                try:
-                    self._capture_one(bs, stream)
-                except RuntimeError as e:
-                    raise RuntimeError(f"CUDA graph capture failed at batch size {bs} "
-                                       f"(run with --disable-cuda-graph to serve without graphs): {e}") from e
-        torch.cuda.synchronize(self.device)
-        used_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("Captured %d CUDA graphs (batch sizes %s) in %.1f s, %.1f MB of device memory",
-                    len(self.capture_bs), self.capture_bs, time.perf_counter() - start, used_bytes / 1e6)
+        capture_graphs(self.device, self.capture_bs, self._capture_one,
+                       lambda bs: f"CUDA graph capture failed at batch size {bs} "
+                                  "(run with --disable-cuda-graph to serve without graphs)",
+                       "DECODE CUDA graphs, batch sizes")
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> None:
         fb = self._forward_batch(bs, [self.fill_seq_len] * bs)
         self.attn_backend.init_forward_metadata_capture_cuda_graph(
             bs, self.req_pool_indices[:bs], self.seq_lens[:bs])
-        # Warm-up runs on the capture stream create what kernels set up lazily (cuBLAS
-        # workspaces, autotuned configs) outside the capture.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(_WARMUP_RUNS):
-                self.model.forward(fb)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
-            out = self.model.forward(fb)
-        self.graphs[bs] = graph
-        self.outputs[bs] = out
+        self.graphs[bs], self.outputs[bs] = capture_forward(self.model, fb, stream, self.graph_pool, self.device)
 
     # ------------------------------------------------------------------ replay
     def can_run(self, forward_batch: ForwardBatch) -> bool:

@@ -30,17 +30,12 @@ The logits a replay returns are a view of a static output: valid until the next 
 from __future__ import annotations
 
 import bisect
-import logging
-import time
 from typing import Any
 
 import torch
 
+from hiserve.engine.graph_capture import capture_forward, capture_graphs
 from hiserve.layers.forward_batch import ForwardBatch, ForwardMode
-
-logger = logging.getLogger(__name__)
-
-_WARMUP_RUNS = 2
 
 
 def extend_graph_buckets(max_tokens: int) -> list[int]:
@@ -118,37 +113,17 @@ class ExtendGraphRunner:
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
         """One graph per bucket, largest first (the smaller ones reuse its memory)."""
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        start = time.perf_counter()
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                try:
-                    self._capture_one(bucket + 1, stream)
-                except RuntimeError as e:
-                    raise RuntimeError(f"CUDA graph capture of a {bucket}-token extend failed (run with "
-                                       f"--cuda-graph-max-extend-tokens 0 to run extends eagerly): {e}") from e
-        torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("Captured %d extend CUDA graphs (one request, up to %s new tokens) in %.1f s, %.1f MB",
-                    len(self.buckets), self.buckets, time.perf_counter() - start, used / 1e6)
+        capture_graphs(torch.device(self.device), [b + 1 for b in self.buckets], self._capture_one,
+                       lambda rows: f"CUDA graph capture of a {rows - 1}-token extend failed (run with "
+                                    "--cuda-graph-max-extend-tokens 0 to run extends eagerly)",
+                       "extend CUDA graphs of one request, token rows (new tokens + 1)")
 
     def _capture_one(self, rows: int, stream: torch.cuda.Stream) -> None:
         self._fill_capture_inputs(rows)
-        fb = self._forward_batch(rows)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(_WARMUP_RUNS):  # lazily built kernels and workspaces, outside the capture
-                self.model.forward(fb)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
-            out = self.model.forward(fb)
-        self.graphs[rows] = graph
-        self.outputs[rows] = out
+        self.graphs[rows], self.outputs[rows] = capture_forward(self.model, self._forward_batch(rows), stream,
+                                                                self.graph_pool, torch.device(self.device))
 
     def _fill_capture_inputs(self, rows: int) -> None:
         """Both requests on the padding row, writing slot 0: the request 1 token, padding the rest."""

@@ -259,8 +259,8 @@ class ModelRunner:
         For EXTEND passes where a request owes prompt logprobs, `batch.input_logits` receives
         the logits of those positions. Grammar masks of constrained requests are built in a
         worker thread while the pass runs (started here unless `batch.grammar_started`). A
-        batch that reads a load-back waits for it per layer, or as a whole before an extend
-        graph replay (`forward_with_load`).
+        batch that reads a load-back waits for it per layer, or as a whole before a graph
+        replay (`run_forward`).
         """
         fb = self.make_forward_batch(batch)
         self.prepare_input_logprobs(batch)
@@ -271,7 +271,7 @@ class ModelRunner:
             if grammar is not None:
                 grammar.start_fill(batch.reqs)
             batch.grammar_started = True
-        logits = self.forward_with_load(fb, batch.load_ticket)
+        logits = self.run_forward(fb, batch.load_ticket)
         batch.input_logits = fb.input_logits
         return logits
 
@@ -285,34 +285,33 @@ class ModelRunner:
                                            list(self.model_config.eos_token_ids))
         return self._grammar
 
-    def run_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+    def run_forward(self, forward_batch: ForwardBatch, load_ticket: object | None = None) -> torch.Tensor:
         """Logits [B, vocab] float32 of one pass: DECODE batches the CUDA-graph runner can take
         and one-request extends the extend-graph runner can take are replayed (the result is
-        then valid until the next replay), the rest run eagerly."""
+        then valid until the next replay), the rest run eagerly.
+
+        `load_ticket`: the load-back this pass reads (None: none). An eager pass waits for it
+        per layer (the device pool's layer accessors wait on it for this pass only); a graph
+        cannot wait per layer, so a replay first makes the stream wait for the whole load."""
         with torch.inference_mode():
             runner = self.cuda_graph_runner
-            if runner is not None and runner.can_run(forward_batch):
+            if runner is None or not runner.can_run(forward_batch):
+                runner = self.extend_graph_runner
+                if runner is not None and not runner.can_run(forward_batch):
+                    runner = None
+            if runner is not None:
+                if load_ticket is not None:
+                    load_ticket.wait_all()
                 return runner.replay(forward_batch)
-            extend_runner = self.extend_graph_runner
-            if extend_runner is not None and extend_runner.can_run(forward_batch):
-                return extend_runner.replay(forward_batch)
-            self.attn_backend.init_forward_metadata(forward_batch)
-            return self.model.forward(forward_batch)
-
-    def forward_with_load(self, forward_batch: ForwardBatch, load_ticket: object | None) -> torch.Tensor:
-        """`run_forward`, with the layer accessors of the device pool waiting on
-        `load_ticket` (the load-back this batch reads) for this forward only."""
-        if load_ticket is None:
-            return self.run_forward(forward_batch)
-        extend_runner = self.extend_graph_runner
-        if extend_runner is not None and extend_runner.can_run(forward_batch):
-            load_ticket.wait_all()  # a replay cannot wait per layer: the whole load first
-            return self.run_forward(forward_batch)
-        self.token_to_kv_pool.register_layer_transfer_counter(load_ticket)
-        try:
-            return self.run_forward(forward_batch)
-        finally:
-            self.token_to_kv_pool.register_layer_transfer_counter(None)
+            if load_ticket is None:
+                self.attn_backend.init_forward_metadata(forward_batch)
+                return self.model.forward(forward_batch)
+            self.token_to_kv_pool.register_layer_transfer_counter(load_ticket)
+            try:
+                self.attn_backend.init_forward_metadata(forward_batch)
+                return self.model.forward(forward_batch)
+            finally:
+                self.token_to_kv_pool.register_layer_transfer_counter(None)
 
     def plan_sampling(self, reqs: list[Req], eos_ids: set[int], rows: list[int] | None = None) -> SamplingPlan:
         """Read what sampling `reqs` needs from the requests (host side; device tensors are

@@ -224,7 +224,7 @@ def test_load_back_is_waited_for_only_by_its_batch(llama):
     fb_g, fb_e = drivers["graphed"].decode(others), drivers["eager"].decode(others)
     assert graphed.cuda_graph_runner.can_run(fb_g)
     decoded = torch.cuda.Event()
-    out_g = graphed.forward_with_load(fb_g, None).clone()
+    out_g = graphed.run_forward(fb_g, None).clone()
     decoded.record()
     decoded.synchronize()
     assert not finish.query(), "the decode of other requests waited for the load-back"
@@ -233,7 +233,7 @@ def test_load_back_is_waited_for_only_by_its_batch(llama):
     fb_g, fb_e = drivers["graphed"].extend("r0", [11, 12]), drivers["eager"].extend("r0", [11, 12])
     xg = graphed.extend_graph_runner
     assert (xg is not None and xg.can_run(fb_g)) == (backend == "fa3")  # fa3: a replay after wait_all
-    out_g = graphed.forward_with_load(fb_g, ticket).clone()
+    out_g = graphed.run_forward(fb_g, ticket).clone()
     out_e = eager.run_forward(fb_e)
     torch.testing.assert_close(out_g, out_e, rtol=2e-2, atol=2e-2)
     assert target.layer_transfer_counter is None  # installed for that forward only
