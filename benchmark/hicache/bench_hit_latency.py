@@ -14,6 +14,10 @@ the requests before it has finished, so a host hit times its own load-back, not 
 for the evicted prefix's write to complete (with a pool this small, that write is the
 victim's, and would otherwise be on the path).
 
+The clock runs from the request's first byte to its parsed reply (`--client raw`: one kept-alive
+`http.client` connection, the JSON body encoded before the clock starts); `--client httpx` also
+times httpx's per-request Python and the encoding of the ids, as sessions up to 7 measured.
+
 In the same process, before the server starts, a pinned host -> device copy of one
 prefix's KV bytes measures the host link: the host-hit target is
 device hit + prefix bytes / (0.9 x link bandwidth). The device-hit target is 15 ms.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import http.client
 import json
 import math
 import random
@@ -35,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,15 +90,64 @@ def host_link_bytes_per_s(device: torch.device, nbytes: int, reps: int = 5) -> f
     return nbytes / statistics.median(times[1:])
 
 
-def timed_generate(client: httpx.Client, base: str, ids: list[int], settle_s: float = 0.0) -> tuple[float, dict]:
+class RawClient:
+    """`/generate` over one kept-alive `http.client` connection with the JSON body encoded before
+    the clock starts: the time is the server's answer (bytes out to reply parsed), not the
+    benchmark client's own JSON encoding of thousands of ids and httpx's per-request Python
+    (measured on the 2-core EPYC with a body the server refuses after parsing it: httpx with
+    `json=` took 0.35-0.7 ms more per request than this at 64-8K ids). `--client httpx` times
+    what sessions up to 7 timed."""
+
+    def __init__(self, base: str, timeout: float = 600.0):
+        url = urllib.parse.urlsplit(base)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+
+    def generate(self, body: dict) -> tuple[float, dict]:
+        raw = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        self.conn.request("POST", "/generate", body=raw, headers={"Content-Type": "application/json"})
+        resp = self.conn.getresponse()
+        data = resp.read()
+        out = json.loads(data) if resp.status == 200 else None
+        ms = (time.perf_counter() - t0) * 1e3
+        if out is None:
+            raise RuntimeError(f"/generate answered {resp.status}: {data[:300]!r}")
+        return ms, out
+
+    def post(self, path: str) -> None:
+        self.conn.request("POST", path, body=b"{}", headers={"Content-Type": "application/json"})
+        self.conn.getresponse().read()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class HttpxClient:
+    """`/generate` through `httpx.Client.post(json=...)`, the body encoded inside the timed call."""
+
+    def __init__(self, base: str, timeout: float = 600.0):
+        self.base, self.client = base, httpx.Client(timeout=timeout)
+
+    def generate(self, body: dict) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        r = self.client.post(self.base + "/generate", json=body)
+        ms = (time.perf_counter() - t0) * 1e3
+        r.raise_for_status()
+        return ms, r.json()
+
+    def post(self, path: str) -> None:
+        self.client.post(self.base + path)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def timed_generate(client: RawClient | HttpxClient, ids: list[int], settle_s: float = 0.0) -> tuple[float, dict]:
     """(client ms, the reply's `meta_info`) of one greedy one-token /generate, sent after `settle_s` of quiet."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     time.sleep(settle_s)
-    t0 = time.perf_counter()
-    r = client.post(base + "/generate", json=body)
-    ms = (time.perf_counter() - t0) * 1e3
-    r.raise_for_status()
-    return ms, r.json()["meta_info"]
+    ms, out = client.generate(body)
+    return ms, out["meta_info"]
 
 
 def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: int) -> list[dict[str, Any]]:
@@ -109,22 +164,23 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
     rng = random.Random(page)
     rows = []
     try:
-        with httpx.Client(timeout=600) as client:
-            timed_generate(client, base, [rng.randrange(10, vocab) for _ in range(64)])  # warm-up
+        client = RawClient(base) if args.client == "raw" else HttpxClient(base)
+        try:
+            timed_generate(client, [rng.randrange(10, vocab) for _ in range(64)])  # warm-up
             for length in args.lengths:
                 samples: dict[str, list[float]] = {"cold": [], "device_hit": [], "host_hit": []}
                 from_host = []
                 new = lambda: [rng.randrange(10, vocab) for _ in range(NEW_TOKENS)]  # noqa: E731
                 for _ in range(args.repeats):
                     prefix = [rng.randrange(10, vocab) for _ in range(length)]
-                    samples["cold"].append(timed_generate(client, base, prefix + new(), args.settle_s)[0])
-                    samples["device_hit"].append(timed_generate(client, base, prefix + new(), args.settle_s)[0])
+                    samples["cold"].append(timed_generate(client, prefix + new(), args.settle_s)[0])
+                    samples["device_hit"].append(timed_generate(client, prefix + new(), args.settle_s)[0])
                     for _ in range(pool // (length + NEW_TOKENS) + 1):  # enough others to push `prefix` out
-                        timed_generate(client, base, [rng.randrange(10, vocab) for _ in range(length)] + new())
-                    ms, meta = timed_generate(client, base, prefix + new(), args.settle_s)
+                        timed_generate(client, [rng.randrange(10, vocab) for _ in range(length)] + new())
+                    ms, meta = timed_generate(client, prefix + new(), args.settle_s)
                     samples["host_hit"].append(ms)
                     from_host.append((meta.get("cached_tokens_details") or {}).get("host", 0))
-                    client.post(base + "/flush_cache")
+                    client.post("/flush_cache")
                 if min(from_host) < length // page * page // 2:
                     print(f"WARNING page {page} L {length}: a host hit loaded only {min(from_host)} tokens "
                           "from the host", flush=True)
@@ -135,6 +191,8 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
                 rows.append(row)
                 print(f"page {page:3d}  L {length:6d}  cold {row['cold_ms']:8.1f}  device hit "
                       f"{row['device_hit_ms']:8.1f}  host hit {row['host_hit_ms']:8.1f} ms", flush=True)
+        finally:
+            client.close()
     finally:
         kill(proc)
     return rows
@@ -246,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=0.3,
                     help="quiet before each timed request, so earlier requests' write-through is done "
                     "and a host hit times its own load, not the wait for a victim's write")
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="raw: http.client, body encoded before the clock starts (default); httpx: "
+                         "httpx.post(json=...) timed whole, as sessions up to 7 measured")
     ap.add_argument("--in-process", action="store_true",
                     help="also time the cases through the scheduler in this process, with a profile")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])

@@ -38,6 +38,7 @@ from hiserve.engine.openapi import install_openapi
 from hiserve.engine.protocol import AbortReqInput, GenerateReqInput, SamplingParamsInput, param_from_loc
 from hiserve.engine.req_state import ReqState
 from hiserve.engine.route_helpers import (
+    OrjsonRoute,
     collect_outputs,
     first_output,
     get_tm,
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
 _FLUSH_TIMEOUT_MAX_S = 600.0
 
-router = APIRouter()
+router = APIRouter(route_class=OrjsonRoute)
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:

@@ -43,6 +43,7 @@ from hiserve.engine.protocol import (
 )
 from hiserve.engine.req_state import ReqState
 from hiserve.engine.route_helpers import (
+    OrjsonRoute,
     collect_outputs,
     first_output,
     get_tm,
@@ -55,7 +56,7 @@ from hiserve.engine.tokenizer_manager import TokenizerManager
 _OPENAI_PARAM_NAMES = {"input_ids": "prompt", "max_new_tokens": "max_tokens",
                        "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 
-router = APIRouter()
+router = APIRouter(route_class=OrjsonRoute)
 
 
 async def _require_json(request: Request) -> None:

@@ -1,5 +1,6 @@
-"""What the route modules share: the app's TokenizerManager, JSON and server-sent-event
-responses, and turning `TokenizerManager.generate()` output into answers.
+"""What the route modules share: the app's TokenizerManager, request bodies parsed by orjson,
+JSON and server-sent-event responses, and turning `TokenizerManager.generate()` output into
+answers.
 
 A sequence the scheduler refused (an abort carrying an HTTP status) becomes its `ApiError`:
 raised before the 200 headers when it is the first output (`first_output`, `collect_outputs`),
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from hiserve.engine.errors import ApiError, ClientDisconnectedError, ErrorResponse, error_for_status
@@ -26,6 +28,32 @@ _SSE_DONE = b"data: [DONE]\n\n"
 
 def get_tm(request: Request) -> TokenizerManager:
     return request.app.state.tm
+
+
+class _OrjsonRequest(Request):
+    """A request whose JSON body is parsed by orjson instead of json.loads: 4-5x faster on a
+    body of thousands of token ids (8K `input_ids`: 0.35 -> ~0.08 ms on the 2-core EPYC), which a
+    prefix hit pays in full. orjson's JSONDecodeError is json's, so FastAPI still reports a
+    syntax error as json_invalid (a 400); it is stricter than json.loads (no NaN/Infinity
+    literals, integers within 64 bits), which this API never needs."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class OrjsonRoute(APIRoute):
+    """APIRoute whose endpoint sees `_OrjsonRequest` (FastAPI's documented custom-request-class
+    pattern): the routers' `route_class`."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+
+        return route
 
 
 @contextmanager
