@@ -33,6 +33,8 @@
 #   bash benchmark/gpu/h200_session.sh s7-probe     # hit latency page 64 with overlap on / off; issue 12 at
 #                                                   #   concurrency 1 and 16 with one prefill per wave (~8 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
+#   bash benchmark/gpu/h200_session.sh s8-hits      # hit latency page 64 raw vs httpx client, page 16, and the
+#                                                   #   in-process device-hit profile (~8 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
 # project's missing wheels installed (README of benchmark/gpu).
 set -uo pipefail
@@ -166,7 +168,17 @@ case "${1:-tests}" in
     timeout 60 python3 benchmark/hicache/bench_hicache_write_back.py --out-dir "$OUT" 2>&1 | tail -30 \
       | tee "$OUT/write_back.txt"
     timeout 170 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
-      --name h200_hit_latency_final 2>&1 | tail -9
+      --name h200_hit_latency_s8_final 2>&1 | tail -9
+    ;;
+  s8-hits)
+    # Session 8: hit latency at page 64 with the raw client (default) and httpx (sessions up to 7), page 16
+    # raw, then the in-process profile of a device hit (cProfile + torch.profiler trace).
+    timeout 150 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --lengths 2048 6144 8064 --repeats 5 \
+      --client httpx --out-dir "$OUT" --name h200_hit_latency_s8_httpx 2>&1 | tail -6
+    timeout 150 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 --repeats 5 --out-dir "$OUT" \
+      --name h200_hit_latency_s8_page16 2>&1 | tail -8
+    timeout 200 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --lengths 2048 6144 --repeats 3 \
+      --in-process --out-dir "$OUT" --name h200_hit_latency_s8_in_process 2>&1 | tail -8
     ;;
   hits)
     python3 benchmark/hicache/bench_hit_latency.py --page-sizes 16 64 --in-process --out-dir "$OUT" 2>&1 \
