@@ -28,12 +28,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-HQ, HKV, D, SLOTS = 9, 3, 64, 40000
-
 from hiserve.hardware import detect_cpu
 from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
 
+HQ, HKV, D, SLOTS = 9, 3, 64, 40000
 _LAYER = SimpleNamespace(num_heads=HQ, num_kv_heads=HKV, head_dim=D, v_head_dim=D, scaling=D**-0.5)
 
 CASES = [(1, 1, 1000), (8, 1, 1000), (1, 2, 1000), (1, 4, 1000), (1, 8, 1000), (8, 8, 1000), (1, 16, 1000),

@@ -98,12 +98,24 @@ class RawClient:
     `json=` took 0.35-0.7 ms more per request than this at 64-8K ids). `--client httpx` times
     what sessions up to 7 timed."""
 
+    # The server closes a connection idle for 5 s (uvicorn's keep-alive timeout): reconnect, off
+    # the clock, when the last request is older than this.
+    IDLE_RECONNECT_S = 3.0
+
     def __init__(self, base: str, timeout: float = 600.0):
         url = urllib.parse.urlsplit(base)
         self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+        self.last_used = 0.0
+
+    def _fresh(self) -> None:
+        if time.monotonic() - self.last_used > self.IDLE_RECONNECT_S:
+            self.conn.close()
+            self.conn.connect()
+        self.last_used = time.monotonic()
 
     def generate(self, body: dict) -> tuple[float, dict]:
         raw = json.dumps(body).encode()
+        self._fresh()
         t0 = time.perf_counter()
         self.conn.request("POST", "/generate", body=raw, headers={"Content-Type": "application/json"})
         resp = self.conn.getresponse()
@@ -115,8 +127,13 @@ class RawClient:
         return ms, out
 
     def post(self, path: str) -> None:
+        """POST an empty JSON object to `path`. Raises RuntimeError unless it answers 200."""
+        self._fresh()
         self.conn.request("POST", path, body=b"{}", headers={"Content-Type": "application/json"})
-        self.conn.getresponse().read()
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{path} answered {resp.status}: {data[:300]!r}")
 
     def close(self) -> None:
         self.conn.close()
@@ -136,7 +153,8 @@ class HttpxClient:
         return ms, r.json()
 
     def post(self, path: str) -> None:
-        self.client.post(self.base + path)
+        """POST to `path`. Raises httpx.HTTPStatusError unless it answers 2xx."""
+        self.client.post(self.base + path).raise_for_status()
 
     def close(self) -> None:
         self.client.close()

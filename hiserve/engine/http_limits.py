@@ -123,12 +123,3 @@ def check_text_length(texts: Iterable[str], max_tokens: int, context_len: int, t
                 f"The input ({len(text)} characters, at least {at_least} tokens) is longer than the "
                 f"model's context length allows: this server takes at most {max_tokens} input tokens "
                 f"(maximum context length {context_len} tokens).", param=param)
-
-
-def body_error_message(cause: Optional[BaseException]) -> Optional[str]:
-    """A clear message for a body the JSON parser refused with something other than a JSON error."""
-    if isinstance(cause, UnicodeDecodeError):
-        return f"The request body is not valid UTF-8: {cause.reason} at byte {cause.start}."
-    if isinstance(cause, RecursionError):
-        return "The request body is nested too deeply."
-    return None

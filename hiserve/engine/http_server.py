@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hiserve.engine import openai_routes
 from hiserve.engine.errors import ApiError, BadRequestError, ErrorResponse
-from hiserve.engine.http_limits import BodySizeLimitMiddleware, body_error_message, check_fanout
+from hiserve.engine.http_limits import BodySizeLimitMiddleware, check_fanout
 from hiserve.engine.loads import legacy_load, load_entry
 from hiserve.engine.logprobs_format import apply_logprob_options
 from hiserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -113,10 +113,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(BadRequestError("Invalid request: " + "; ".join(lines), param=param))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        message = str(exc.detail)
-        if exc.status_code == 400:  # the body parser failed on something other than JSON syntax
-            message = body_error_message(exc.__cause__) or message
-        err = ApiError(message)
+        err = ApiError(str(exc.detail))
         err.status_code = err.code = exc.status_code
         err.err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         response = error_response(err)

@@ -34,8 +34,10 @@ class _OrjsonRequest(Request):
     """A request whose JSON body is parsed by orjson instead of json.loads: 4-5x faster on a
     body of thousands of token ids (8K `input_ids`: 0.35 -> ~0.08 ms on the 2-core EPYC), which a
     prefix hit pays in full. orjson's JSONDecodeError is json's, so FastAPI still reports a
-    syntax error as json_invalid (a 400); it is stricter than json.loads (no NaN/Infinity
-    literals, integers within 64 bits), which this API never needs."""
+    syntax error as json_invalid (a 400 "not valid JSON: <orjson's reason>", also for invalid
+    UTF-8, a byte-order mark or nesting past orjson's depth limit). Where it differs from
+    json.loads: no NaN/Infinity literals (a syntax error) and an integer beyond 64 bits becomes a
+    float, so an integer field then fails validation (a 400 naming the field)."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):

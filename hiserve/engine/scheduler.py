@@ -166,6 +166,7 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
                 success=ok, message="Cache flushed." if ok else
                 "Cache not flushed: there are running or waiting requests."))
         elif isinstance(msg, GetInternalStateReq):
+            self.send_stats(force=True)  # the load routes read the stats beside the state
             self._emit(GetInternalStateReqOutput(state=self.internal_state()))
         else:
             logger.error("unknown message %r", type(msg))

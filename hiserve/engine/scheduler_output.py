@@ -15,7 +15,9 @@ logger = logging.getLogger("hiserve.engine.scheduler")
 _HEARTBEAT_S = 1.0  # while busy, stats reach the API process at least this often (its /health reads them)
 # Token batches carry the scheduler's stats at most this often: computing them here and setting a
 # dozen Prometheus gauges in the API process cost ~0.1 ms a message, i.e. per token of a lone
-# stream. /metrics lags by at most this; going idle sends the final stats at once (send_stats).
+# stream. Stats a batch skipped go out alone after the next step once this much time has passed
+# (send_stats), and at once when the server goes idle or a control request asks; /metrics then
+# lags by this, or by one step when a step (a long prefill) takes longer.
 _STATS_INTERVAL_S = 0.05
 
 
@@ -26,6 +28,7 @@ class SchedulerOutputMixin:
     _last_emit_time = 0.0  # of the latest BatchTokenIDOut (monotonic s)
     _idle_stats_sent = False  # the stats of the current idle period have been sent
     _last_stats_time = 0.0  # when a BatchTokenIDOut last carried stats (monotonic s)
+    _stats_owed = False  # a token batch went out without stats since they were last sent
 
     def _send_outputs(self, reqs: list[Req]) -> None:
         interval = self.server_args.stream_interval
@@ -56,21 +59,24 @@ class SchedulerOutputMixin:
         if out.rids:
             if fresh:
                 self._last_stats_time = now
+            self._stats_owed = not fresh
             self._emit(out)
 
     def send_stats(self, force: bool = False) -> None:
         """Send the current stats alone when they would otherwise go stale: on `force`, when the
         server has just gone idle (the last output's stats were taken before its request left
-        the running batch), and once per heartbeat while busy (a liveness signal)."""
+        the running batch), when a token batch went out without them over _STATS_INTERVAL_S
+        ago, and once per heartbeat while busy (a liveness signal)."""
         idle = not (self.waiting_queue or self.running or self.chunked_req)
         now = time.monotonic()
         if not force:
             if idle and self._idle_stats_sent:
                 return
-            if not idle and now - self._last_emit_time < _HEARTBEAT_S:
+            owed = self._stats_owed and now - self._last_stats_time >= _STATS_INTERVAL_S
+            if not idle and not owed and now - self._last_emit_time < _HEARTBEAT_S:
                 return
         self._emit(BatchTokenIDOut([], [], [], [], [], [], [], stats=self._update_stats()))
-        self._last_stats_time = now
+        self._last_stats_time, self._stats_owed = now, False
         self._idle_stats_sent = idle
 
     def _emit(self, msg: Any) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import pickle
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -316,11 +317,12 @@ class TokenizerManager:
         sock = self._recv_sock
         while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                msg = sock.recv_pyobj(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.last_recv_time = time.monotonic()
             try:
+                msg = pickle.loads(frame)
                 if isinstance(msg, BatchTokenIDOut):
                     self._on_batch_out(msg)
                 elif isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):

@@ -2,8 +2,9 @@
 reference, at every ISA tier this CPU runs: on avx512_bf16 a bf16 pool takes the dpbf16 tiles
 (csrc/cpu/extend_avx512bf16.h), other tiers and float32 the portable loops. Cases sit at the
 tiles' edges (64-key tiles, 4-row blocks, 16-query blocks), cover fresh prompts (no prefix) and
-chunks over a cached prefix, GQA ratios 1/3/8, head dims with and without the tile layout, and
-one and two threads (two: key splits and their merge). Also the backend's EXTEND routing
+chunks over a cached prefix, GQA ratios 1/3/8/40 (40: more query rows per item than the decode
+path's groups), head dims with and without the tile layout, one and two threads, and a lone long
+request whose keys two threads split and merge. Also the backend's EXTEND routing
 (`extend_routing`) and its override."""
 
 from __future__ import annotations
@@ -66,11 +67,14 @@ def assert_close_per_token(got, want, tol):
 
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group, head_dim", [(1, 64), (3, 64), (8, 64), (3, 32), (2, 128), (1, 256), (3, 80)])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (3, 64), (8, 64), (3, 32), (2, 128), (1, 256), (3, 80),
+                                             (40, 64)])
 def test_extend_kernel_every_isa_tier(isa, dtype, group, head_dim):
-    """Head dim 80 is not a multiple of 32: the portable loops even on avx512_bf16."""
+    """Head dim 80 is not a multiple of 32: the portable loops even on avx512_bf16. This batch
+    has enough work items for two threads, so its keys are not split (the next test splits)."""
     mod = cpu_kernels.load_cpu_module(isa)
-    q, k, v, r2t, idx, lens, starts, hq = extend_inputs(dtype, group=group, head_dim=head_dim, requests=REQUESTS,
+    requests = REQUESTS if group < 40 else REQUESTS[:4]  # 80 query heads: a shorter batch
+    q, k, v, r2t, idx, lens, starts, hq = extend_inputs(dtype, group=group, head_dim=head_dim, requests=requests,
                                                         seed=group * 1000 + head_dim)
     scale = head_dim ** -0.5
     want = extend_reference(q, k, v, r2t, lens, starts, hq, scale)
@@ -81,15 +85,16 @@ def test_extend_kernel_every_isa_tier(isa, dtype, group, head_dim):
         assert_close_per_token(out, want, TOL[dtype])
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extend_lone_long_request_splits(dtype):
-    """One request on one KV head, 40 queries over 3000 keys, two threads: few work items, so
-    the keys are split and the partial states merged."""
+def test_extend_lone_long_request_splits(isa, dtype):
+    """One request on one KV head, 40 queries over 3000 keys, two threads: 3 work items for 8
+    wanted, so each item's keys are split (>= 256 keys a split) and the partial states merged."""
     q, k, v, r2t, idx, lens, starts, hq = extend_inputs(dtype, group=3, head_dim=64, requests=[(3000, 40)], hkv=1)
     want = extend_reference(q, k, v, r2t, lens, starts, hq, 0.125)
-    got = cpu_kernels.load_cpu_module().paged_attention
     out = torch.empty_like(q)
-    got(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts, False, hq, 1, 0.125, 2)
+    cpu_kernels.load_cpu_module(isa).paged_attention(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts,
+                                                     False, hq, 1, 0.125, 2)
     assert_close_per_token(out, want, TOL[dtype])
 
 
@@ -118,3 +123,5 @@ def test_extend_routing_choice_and_override(monkeypatch):
     monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", "fast")
     with pytest.raises(ValueError, match="HISERVE_CPU_EXTEND_ATTENTION"):
         cpu_backend.extend_routing(torch.bfloat16, 64, 64)
+    with pytest.raises(ValueError, match="HISERVE_CPU_EXTEND_ATTENTION"):
+        cpu_backend.CpuPagedAttnBackend()  # at start, not at the first EXTEND batch

@@ -96,3 +96,31 @@ def test_first_stop():
     assert first_stop("abcabc", ["c", "b"]) == 1
     assert first_stop("abcabc", ["c"], start=3) == 5
     assert first_stop("abc", ["x"]) == -1
+
+
+def test_api_tokenizer_takes_the_rust_decode_with_the_same_text(tokenizer):
+    """The API process's tokenizer (rebuilt from the scheduler's spec) is a stock fast tokenizer,
+    so the detokenizer calls the Rust decode directly; that text equals transformers' decode
+    without clean-up, special tokens skipped or kept."""
+    from hiserve.engine.tokenizer_spec import build_tokenizer, tokenizer_spec
+
+    api_tok = build_tokenizer(tokenizer_spec(tokenizer))
+    detok = IncrementalDetokenizer(api_tok)
+    assert detok._fast is not None
+    ids = api_tok.encode(TEXTS[1]) + [api_tok.eos_token_id] + api_tok.encode(TEXTS[2])
+    for skip in (True, False):
+        detok.skip_special_tokens = skip
+        assert detok._decode(ids) == api_tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_other_tokenizers_keep_their_own_decode():
+    """A tokenizer that is not a stock fast one (here a stand-in) is called through its decode."""
+
+    class Plain:
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    detok = IncrementalDetokenizer(Plain())
+    assert detok._fast is None
+    detok.step([0, 1, 2])
+    assert detok.text == "abc"

@@ -90,6 +90,21 @@ def test_calibration_rule(monkeypatch, int4_us, dense_us, want, tried):
     assert [m for m, _, _ in timings] == tried
 
 
+@pytest.mark.parametrize("int4_us, dense_us, want, tried", [
+    (lambda m: 50, lambda m: 400, 4, [1, 2]),  # int4 ahead when time ran out: dense from the next M
+    (lambda m: {2: 900}.get(m, 50), lambda m: 400, 2, [1, 2]),  # dense ahead once: that M
+])
+def test_calibration_out_of_time_keeps_the_dense_copy_for_untried_rows(monkeypatch, int4_us, dense_us, want, tried):
+    """A loaded machine spends the budget early: rows never measured take the dense copy rather
+    than "int4 always" (which would drop it and run prefill on int4)."""
+    layer, _ = _layer()
+    _costed(layer, monkeypatch, int4_us, dense_us)
+    # the fake clock advances only by the kernels' costs: the deadline falls after M = 2
+    got, timings = int4_dispatch.calibrate_crossover(layer, reps=3, inner=1, deadline=1e-6 * (3 * 50 + 3 * 400) * 2)
+    assert got == want
+    assert [m for m, _, _ in timings] == tried
+
+
 def test_setup_logs_once_and_sets_every_layer(caplog):
     model = nn.Sequential(_layer(128, 96, seed=1)[0], _layer(128, 96, seed=2)[0], _layer(64, 128, seed=3)[0])
     with caplog.at_level(logging.INFO, logger=int4_dispatch.__name__):

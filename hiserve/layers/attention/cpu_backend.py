@@ -16,7 +16,8 @@ logged once):
   (`csrc/cpu/extend_avx512bf16.h`): 3.2-5.0x torch's SDPA on one thread of the EPYC
   (benchmark/cpu/bench_extend_attention_ab.py).
 * "sdpa" otherwise: requests over a cached prefix with at most `PAGED_EXTEND_MAX_NEW_TOKENS` (4)
-  new tokens take the kernel (its portable loops); a fresh prompt attends only over its own new
+  new tokens take the kernel (its dpbf16 tiles on a bf16 pool where the build has AVX512-BF16,
+  AMX CPUs included; else its fp32 loops); a fresh prompt attends only over its own new
   tokens, which are the k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on
   them directly; a longer chunk over a cached prefix gathers its context and runs SDPA as
   torch_native does. With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
@@ -48,13 +49,22 @@ from hiserve.mem_cache.memory_pool import MHATokenToKVPool
 logger = logging.getLogger(__name__)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # With the "sdpa" EXTEND routing, above this many new tokens a request over a cached prefix
-# gathers its context and runs SDPA. The kernel's portable EXTEND path is fp32 vector loops per
-# (query block, KV head); SDPA's flash attention runs GEMM micro-kernels, so the crossover sits
-# at a few rows. Measured before the dpbf16 tiles existed, in process CPU time on one thread
+# gathers its context and runs SDPA. The kernel's EXTEND path without the dpbf16 tiles is fp32
+# vector loops per (query block, KV head); SDPA's flash attention runs GEMM micro-kernels, so the
+# crossover sits at a few rows. Measured before the dpbf16 tiles existed, in process CPU time on one thread
 # (SmolLM2 heads, bf16): SDPA 1.1x faster at 2 new tokens over 1000 cached, 1.3x at 4, 1.7x at
 # 8, 2-3x from 16 to 128 (and over 2048 cached); the kernel stays ~4x faster for DECODE.
 PAGED_EXTEND_MAX_NEW_TOKENS = 4
 _TILE_MAX_DIM = 256  # extend_avx512bf16.h: kExtendMaxDim (head dims a multiple of 32)
+
+
+def extend_override() -> str:
+    """HISERVE_CPU_EXTEND_ATTENTION: "auto" (unset), "kernel" or "sdpa". Raises ValueError on
+    another value (checked when the backend is built, so a typo stops the server at start)."""
+    choice = os.environ.get("HISERVE_CPU_EXTEND_ATTENTION", "auto")
+    if choice not in ("auto", "kernel", "sdpa"):
+        raise ValueError(f"HISERVE_CPU_EXTEND_ATTENTION must be auto, kernel or sdpa, got {choice!r}")
+    return choice
 
 
 def extend_routing(dtype: torch.dtype, head_dim: int, v_head_dim: int) -> tuple[str, str]:
@@ -62,9 +72,7 @@ def extend_routing(dtype: torch.dtype, head_dim: int, v_head_dim: int) -> tuple[
     dims on this CPU (see the module docstring). `HISERVE_CPU_EXTEND_ATTENTION` = "kernel" or
     "sdpa" overrides "auto"; "kernel" where the dpbf16 tiles do not apply runs the kernel's
     portable loops (correct, slower). Raises ValueError on another value."""
-    choice = os.environ.get("HISERVE_CPU_EXTEND_ATTENTION", "auto")
-    if choice not in ("auto", "kernel", "sdpa"):
-        raise ValueError(f"HISERVE_CPU_EXTEND_ATTENTION must be auto, kernel or sdpa, got {choice!r}")
+    choice = extend_override()
     if choice != "auto":
         return choice, f"HISERVE_CPU_EXTEND_ATTENTION={choice}"
     cpu = detect_cpu()
@@ -116,6 +124,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         self.fuse_kv_store = True
         # "kernel" | "sdpa" (extend_routing), decided from the pool at the first batch unless set.
         self.extend_route: str | None = None
+        extend_override()  # a bad HISERVE_CPU_EXTEND_ATTENTION fails here, at start
 
     def _kernel_ok(self, forward_batch: ForwardBatch) -> bool:
         pool = forward_batch.token_to_kv_pool

@@ -19,7 +19,10 @@ The rule, per distinct (N, K): rows M in (1, 2, 4, 8, 16, 32, 64), ascending; at
 kernels timed interleaved (`reps` samples of `inner` calls, medians, after a warm-up call); the
 crossover is the first M at which the dense GEMM is faster at M and at the next M as well (two
 in a row, so one noisy sample cannot move it down), and the search stops there. No crossover
-up to 64 rows (or the budget spent first): the int4 kernel always, and the dense copy is freed.
+up to 64 rows: the int4 kernel always, and the dense copy is freed. If the time budget runs out
+first (a loaded machine: one start took 2.6 s), the rows not yet tried take the dense copy:
+int4 was measured better only up to the last M tried, and at prefill sizes the dense GEMM won on
+every CPU measured (2.7x at 256 rows on the EPYC), so giving it up unmeasured would cost far more.
 HISERVE_GGUF_DENSE_COPY=0 keeps no dense copy at all (int4 only; saves N*K*2 bytes a layer).
 """
 
@@ -99,7 +102,8 @@ def calibrate_crossover(layer: GGUFInt4Linear, rows: tuple[int, ...] = CALIBRATI
         deadline: `time.perf_counter()` value after which no further M is tried.
     Returns:
         (the first M where dense is faster at M and the next M, or the last M tried if dense
-        is faster there; None when int4 is never beaten twice in a row), [(M, int4 us, dense us)].
+        is faster there; the next untried M when `deadline` stopped the search first; None when
+        int4 is never beaten twice in a row), [(M, int4 us, dense us)].
     Raises:
         ValueError: the layer has no dense copy.
     """
@@ -108,7 +112,7 @@ def calibrate_crossover(layer: GGUFInt4Linear, rows: tuple[int, ...] = CALIBRATI
     timings: list[tuple[int, float, float]] = []
     gen = torch.Generator().manual_seed(0)
     candidate: int | None = None
-    for m in rows:
+    for i, m in enumerate(rows):
         x = torch.randn(m, layer.in_features, generator=gen).to(layer.dtype)
         layer._matmul(x), layer._dense_matmul(x)  # warm-up: oneDNN builds its primitive here
         a_s: list[float] = []
@@ -124,8 +128,8 @@ def calibrate_crossover(layer: GGUFInt4Linear, rows: tuple[int, ...] = CALIBRATI
             candidate = m
         else:
             candidate = None
-        if deadline is not None and time.perf_counter() > deadline:
-            break
+        if deadline is not None and time.perf_counter() > deadline and i + 1 < len(rows):
+            return (candidate if candidate is not None else rows[i + 1]), timings
     return candidate, timings
 
 

@@ -17,7 +17,10 @@
 // * V is packed in key pairs vp[key/2][dim][2] (one permutex2var per 16 dims of a pair of keys),
 //   so P @ V is again one dpbf16 per key pair and 16 dims, lanes = dims, in dim order.
 // * Rows go in blocks of kExtendRowBlock: each packed K/V vector is loaded once per block, and a
-//   block's score and output accumulators are registers.
+//   block's score and output accumulators are registers. P @ V runs over the key pairs the block's
+//   most-advanced row sees; the others multiply a zero probability by the V rows of keys past
+//   their causal limit (their own request's later tokens: finite unless the model already
+//   produced inf/NaN, which would then reach those rows too).
 //
 // The item writes the same state (m, l, acc [rows, Dv] unnormalised, in dim order) as
 // attend_item, so split merging (merge_splits) is unchanged.
@@ -58,7 +61,7 @@ HISERVE_ALWAYS_INLINE void transpose16x16(__m512i* r) {
     r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
     r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
-  // r[4b + c] now holds, in 128-bit lane L, column 4L' ... of rows 4L'..: finish across lanes.
+  // r[4b + c] now holds, in 128-bit lane L, column 4L + c of rows 4b .. 4b + 3: finish across lanes.
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
     t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
@@ -177,10 +180,11 @@ void extend_block(const uint32_t* const* q, const int64_t* visible, const uint32
   }
 }
 
-// The item's rows: queries i of [0, nq) (positions prefix + i0 + i), heads g of the group; row
-// r = i * G + g. q_rows[r] points at its bf16 query; slots are the request's pool slots and
-// [k_begin, k_end) the item's keys. Writes m, l [rows] and acc [rows, D] as attend_item does.
-inline void extend_item_bf16(const bf16* const* q_rows, int64_t rows, int64_t G, int64_t D, float scale,
+// The item's rows: queries i of [0, nq) (positions first_pos + i), heads g of the group; row
+// r = i * G + g, whose bf16 query is q_item + i * q_stride + g * D (q_item: the item's first
+// query at the group's first head). slots are the request's pool slots and [k_begin, k_end) the
+// item's keys. Writes m, l [rows] and acc [rows, D] as attend_item does. Any group size.
+inline void extend_item_bf16(const bf16* q_item, int64_t q_stride, int64_t rows, int64_t G, int64_t D, float scale,
                              const bf16* k_head, const bf16* v_head, int64_t k_stride, int64_t v_stride,
                              const int32_t* slots, int64_t k_begin, int64_t k_end, int64_t first_pos, float* m,
                              float* l, float* acc) {
@@ -204,7 +208,7 @@ inline void extend_item_bf16(const bf16* const* q_rows, int64_t rows, int64_t G,
       float *mr[kExtendRowBlock], *lr[kExtendRowBlock], *ar[kExtendRowBlock];
       for (int r = 0; r < nr; ++r) {
         const int64_t row = r0 + r;
-        q[r] = reinterpret_cast<const uint32_t*>(q_rows[row]);
+        q[r] = reinterpret_cast<const uint32_t*>(q_item + (row / G) * q_stride + (row % G) * D);
         visible[r] = std::min(kt, first_pos + row / G + 1 - t0);  // causal limit
         mr[r] = m + row, lr[r] = l + row, ar[r] = acc + row * D;
       }

@@ -183,15 +183,12 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   // Several queries over a bf16 pool: the dpbf16 tile path (extend_avx512bf16.h).
   if constexpr (sizeof(T) == 2) {
     if (nq > 1 && extend_bf16_fits(D, Dv)) {
-      const bf16* q_rows[kQueryBlock * kDecodeMaxGroup * 4];
-      if (rows <= static_cast<int64_t>(sizeof(q_rows) / sizeof(q_rows[0]))) {
-        for (int64_t r = 0; r < rows; ++r)
-          q_rows[r] = reinterpret_cast<const bf16*>(q) + (q_starts[it.req] + i0 + r / G) * s.q_row_stride +
-                      (it.kv_head * G + r % G) * D;
-        return extend_item_bf16(q_rows, rows, G, D, s.scale, reinterpret_cast<const bf16*>(k_buf) + it.kv_head * D,
-                                reinterpret_cast<const bf16*>(v_buf) + it.kv_head * Dv, s.k_slot_stride,
-                                s.v_slot_stride, slots, k_begin, k_end, prefix + i0, m, l, acc);
-      }
+      const bf16* q_item = reinterpret_cast<const bf16*>(q) + (q_starts[it.req] + i0) * s.q_row_stride +
+                           it.kv_head * G * D;
+      return extend_item_bf16(q_item, s.q_row_stride, rows, G, D, s.scale,
+                              reinterpret_cast<const bf16*>(k_buf) + it.kv_head * D,
+                              reinterpret_cast<const bf16*>(v_buf) + it.kv_head * Dv, s.k_slot_stride,
+                              s.v_slot_stride, slots, k_begin, k_end, prefix + i0, m, l, acc);
     }
   }
 #endif
