@@ -112,16 +112,16 @@ def test_extend_tile_outliers_stay_finite():
 
 def test_extend_routing_choice_and_override(monkeypatch):
     monkeypatch.delenv("HISERVE_CPU_EXTEND_ATTENTION", raising=False)
-    assert cpu_backend.extend_routing(torch.float32, 64, 64)[0] == "sdpa"  # the tiles read bf16
-    assert cpu_backend.extend_routing(torch.bfloat16, 80, 80)[0] == "sdpa"
-    route, why = cpu_backend.extend_routing(torch.bfloat16, 64, 64)
+    assert cpu_backend.extend_routing(torch.float32, 64)[0] == "sdpa"  # the tiles read bf16
+    assert cpu_backend.extend_routing(torch.bfloat16, 80)[0] == "sdpa"
+    route, why = cpu_backend.extend_routing(torch.bfloat16, 64)
     cpu = cpu_backend.detect_cpu()
     assert route == ("kernel" if cpu.isa == "avx512_bf16" and "amx_bf16" not in cpu.features else "sdpa"), why
     for choice in ("kernel", "sdpa"):
         monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", choice)
-        assert cpu_backend.extend_routing(torch.float32, 64, 64)[0] == choice
+        assert cpu_backend.extend_routing(torch.float32, 64)[0] == choice
     monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", "fast")
     with pytest.raises(ValueError, match="HISERVE_CPU_EXTEND_ATTENTION"):
-        cpu_backend.extend_routing(torch.bfloat16, 64, 64)
+        cpu_backend.extend_routing(torch.bfloat16, 64)
     with pytest.raises(ValueError, match="HISERVE_CPU_EXTEND_ATTENTION"):
         cpu_backend.CpuPagedAttnBackend()  # at start, not at the first EXTEND batch

@@ -32,6 +32,7 @@ oracle this backend is tested against). MLA models always run torch_native's MLA
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -67,9 +68,9 @@ def extend_override() -> str:
     return choice
 
 
-def extend_routing(dtype: torch.dtype, head_dim: int, v_head_dim: int) -> tuple[str, str]:
-    """("kernel" | "sdpa", why) for EXTEND requests over a pool of `dtype` with these head
-    dims on this CPU (see the module docstring). `HISERVE_CPU_EXTEND_ATTENTION` = "kernel" or
+def extend_routing(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """("kernel" | "sdpa", why) for EXTEND requests over an MHA pool of `dtype` with this head
+    dim (K and V alike) on this CPU (see the module docstring). `HISERVE_CPU_EXTEND_ATTENTION` = "kernel" or
     "sdpa" overrides "auto"; "kernel" where the dpbf16 tiles do not apply runs the kernel's
     portable loops (correct, slower). Raises ValueError on another value."""
     choice = extend_override()
@@ -80,8 +81,8 @@ def extend_routing(dtype: torch.dtype, head_dim: int, v_head_dim: int) -> tuple[
         return "sdpa", f"kernel ISA {cpu.isa}: no AVX512-BF16 for the kernel's dpbf16 tiles"
     if dtype != torch.bfloat16:
         return "sdpa", f"{dtype} pool: the dpbf16 tiles read bf16"
-    if head_dim != v_head_dim or head_dim % 32 or head_dim > _TILE_MAX_DIM:
-        return "sdpa", f"head dims {head_dim}/{v_head_dim}: the tiles take equal dims, a multiple of 32, <= 256"
+    if head_dim % 32 or head_dim > _TILE_MAX_DIM:
+        return "sdpa", f"head dim {head_dim}: the tiles take a multiple of 32, <= 256"
     if "amx_bf16" in cpu.features:
         return "sdpa", "AMX: SDPA's flash attention runs oneDNN's AMX tiles"
     return "kernel", "AVX512-BF16 without AMX: the kernel's dpbf16 tiles (3.2-5.0x SDPA, one thread)"
@@ -145,16 +146,21 @@ class CpuPagedAttnBackend(AttentionBackend):
             starts = self._arange_cache.get(b)
             if starts is None:
                 starts = self._arange_cache.setdefault(b, torch.arange(b + 1, dtype=torch.int64))
-            self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [])
+        elif self._extend_route(forward_batch.token_to_kv_pool) == "kernel":
+            starts = torch.tensor([0, *itertools.accumulate(forward_batch.extend_seq_lens_cpu)], dtype=torch.int64)
+        else:
+            self._meta = self._split_extend(forward_batch, idx, lens)
             return
+        # The kernel runs the whole batch (DECODE, or EXTEND on the "kernel" routing).
+        self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [])
+
+    def _split_extend(self, forward_batch: ForwardBatch, idx: torch.Tensor, lens: torch.Tensor) -> _Metadata:
+        """The "sdpa" EXTEND routing: each request to SDPA on its own k/v (fresh prompt), gather +
+        SDPA (long chunk over a cached prefix) or the kernel (a few tokens over a prefix)."""
         fresh, gathered, cached, rows, starts, q = [], [], [], [], [0], 0
         req_to_token = forward_batch.req_to_token_pool.req_to_token
-        all_paged = self._extend_route(forward_batch.token_to_kv_pool) == "kernel"
         for i, (n, prefix) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)):
-            if all_paged:
-                cached.append(i)
-                starts.append(starts[-1] + n)
-            elif prefix == 0:
+            if prefix == 0:
                 fresh.append((q, q + n))
             elif n > PAGED_EXTEND_MAX_NEW_TOKENS:
                 slots = req_to_token[int(idx[i]), : prefix + n].long()
@@ -168,10 +174,10 @@ class CpuPagedAttnBackend(AttentionBackend):
         paged = None
         if cached:
             sel = torch.tensor(cached, dtype=torch.int64)
-            q_rows = None if not fresh and not gathered else torch.cat(rows)  # all_paged: None
+            q_rows = None if not fresh and not gathered else torch.cat(rows)
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
-        self._meta = _Metadata(paged, self._store_loc(forward_batch) if paged_all else None, fresh, gathered)
+        return _Metadata(paged, self._store_loc(forward_batch) if paged_all else None, fresh, gathered)
 
     def forward(
         self,
@@ -219,8 +225,7 @@ class CpuPagedAttnBackend(AttentionBackend):
 
     def _extend_route(self, pool) -> str:
         if self.extend_route is None:
-            d = pool.head_dim
-            self.extend_route, why = extend_routing(pool.dtype, d, getattr(pool, "v_head_dim", d))
+            self.extend_route, why = extend_routing(pool.dtype, pool.head_dim)
             logger.info("CPU EXTEND attention: %s (%s)", self.extend_route, why)
         return self.extend_route
 
