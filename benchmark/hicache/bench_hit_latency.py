@@ -90,7 +90,20 @@ def host_link_bytes_per_s(device: torch.device, nbytes: int, reps: int = 5) -> f
     return nbytes / statistics.median(times[1:])
 
 
-class RawClient:
+class _Client:
+    """A /generate client usable as a context manager (closed on exit)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RawClient(_Client):
     """`/generate` over one kept-alive `http.client` connection with the JSON body encoded before
     the clock starts: the time is the server's answer (bytes out to reply parsed), not the
     benchmark client's own JSON encoding of thousands of ids and httpx's per-request Python
@@ -139,7 +152,7 @@ class RawClient:
         self.conn.close()
 
 
-class HttpxClient:
+class HttpxClient(_Client):
     """`/generate` through `httpx.Client.post(json=...)`, the body encoded inside the timed call."""
 
     def __init__(self, base: str, timeout: float = 600.0):
@@ -182,8 +195,7 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
     rng = random.Random(page)
     rows = []
     try:
-        client = RawClient(base) if args.client == "raw" else HttpxClient(base)
-        try:
+        with RawClient(base) if args.client == "raw" else HttpxClient(base) as client:
             timed_generate(client, [rng.randrange(10, vocab) for _ in range(64)])  # warm-up
             for length in args.lengths:
                 samples: dict[str, list[float]] = {"cold": [], "device_hit": [], "host_hit": []}
@@ -209,8 +221,6 @@ def run_page_size(args: argparse.Namespace, model_dir: str, page: int, vocab: in
                 rows.append(row)
                 print(f"page {page:3d}  L {length:6d}  cold {row['cold_ms']:8.1f}  device hit "
                       f"{row['device_hit_ms']:8.1f}  host hit {row['host_hit_ms']:8.1f} ms", flush=True)
-        finally:
-            client.close()
     finally:
         kill(proc)
     return rows

@@ -303,10 +303,7 @@ class ModelRunner:
                 if load_ticket is not None:
                     load_ticket.wait_all()
                 return runner.replay(forward_batch)
-            if load_ticket is None:
-                self.attn_backend.init_forward_metadata(forward_batch)
-                return self.model.forward(forward_batch)
-            self.token_to_kv_pool.register_layer_transfer_counter(load_ticket)
+            self.token_to_kv_pool.register_layer_transfer_counter(load_ticket)  # None: no waits
             try:
                 self.attn_backend.init_forward_metadata(forward_batch)
                 return self.model.forward(forward_batch)
