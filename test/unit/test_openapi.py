@@ -5,24 +5,16 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from api_app import make_tm
+
 from hiserve.engine.http_server import create_app
 from hiserve.engine.io_struct import SchedulerReady
-from hiserve.engine.tokenizer_manager import TokenizerManager
-from hiserve.server_args import PortArgs, ServerArgs
-
-
-class _Tokenizer:
-    chat_template = None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {"a": 0, "abcd": 1}
 
 
 @pytest.fixture(scope="module")
 def doc() -> dict:
-    args = ServerArgs(api_key="k", max_request_body_bytes=1000)
     ready = SchedulerReady(4096, 1000, 1024, 512, [2], max_running_requests=8)
-    tm = TokenizerManager(args, PortArgs.init_new(), ready, tokenizer=_Tokenizer())
+    tm = make_tm(ready, api_key="k", max_request_body_bytes=1000)
     try:
         yield create_app(tm).openapi()
     finally:
@@ -57,9 +49,8 @@ def test_runtime_bounds_in_request_schemas(doc: dict):
 
 
 def test_wrong_method_405_with_allow_and_413_without_reading():
-    args = ServerArgs(max_request_body_bytes=1000)
     ready = SchedulerReady(4096, 1000, 1024, 512, [2], max_running_requests=8)
-    tm = TokenizerManager(args, PortArgs.init_new(), ready, tokenizer=_Tokenizer())
+    tm = make_tm(ready, max_request_body_bytes=1000)
     client = TestClient(create_app(tm))  # no lifespan: nothing here reaches the scheduler
     r = client.delete("/generate")
     assert r.status_code == 405 and set(r.headers["allow"].replace(" ", "").split(",")) == {"POST", "PUT"}

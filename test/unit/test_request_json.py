@@ -5,26 +5,13 @@ stricter grammar (no NaN literal, json.loads would take it) shows orjson is the 
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
-
-from hiserve.engine.http_server import create_app
-from hiserve.engine.io_struct import SchedulerReady
-from hiserve.engine.tokenizer_manager import TokenizerManager
-from hiserve.server_args import PortArgs, ServerArgs
-
-
-class _Tokenizer:
-    chat_template = None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {"a": 0, "abcd": 1}
+from api_app import make_app
 
 
 @pytest.fixture
 def client():
-    tm = TokenizerManager(ServerArgs(), PortArgs.init_new(), SchedulerReady(4096, 1000, 1024, 512, [2]),
-                          tokenizer=_Tokenizer())
-    yield TestClient(create_app(tm))  # no lifespan: nothing here reaches the scheduler
+    tm, client = make_app()
+    yield client
     tm._send_sock.close(linger=0)
 
 

@@ -6,27 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fastapi.testclient import TestClient
+from api_app import make_app as _app
 
 from hiserve.engine.http_server import create_app
-from hiserve.engine.io_struct import SchedulerReady, SchedulerStats
+from hiserve.engine.io_struct import SchedulerStats
 from hiserve.engine.loads import legacy_load, load_entry
 from hiserve.engine.openai_routes import _usage
-from hiserve.engine.tokenizer_manager import TokenizerManager
-from hiserve.server_args import PortArgs, ServerArgs
-
-
-class _Tokenizer:
-    chat_template = None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {"a": 0, "abcd": 1}
-
-
-def _app(**flags):
-    tm = TokenizerManager(ServerArgs(**flags), PortArgs.init_new(), SchedulerReady(4096, 1000, 1024, 512, [2]),
-                          tokenizer=_Tokenizer())
-    return tm, TestClient(create_app(tm))  # no lifespan: nothing here reaches the scheduler
 
 
 def test_metrics_route_only_with_enable_metrics():
