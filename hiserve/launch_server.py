@@ -21,7 +21,7 @@ meet at `--dist-init-addr` (default: a free local port) through torch.distribute
 0 talks to the API process; every rank's pipe reports its readiness (or its error).
 
 The scheduler processes are killed whenever this process leaves, normally or by SIGTERM /
-SIGINT. If the one scheduler (TP 1) dies first, requests fail with 503 instead of waiting
+SIGINT (Ctrl-C: exit status 130, one log line, no traceback from either process). If the one scheduler (TP 1) dies first, requests fail with 503 instead of waiting
 forever. With TP > 1 no rank can serve alone: when any rank exits, the server logs which one
 and with what code, stops the others and exits with status 1 (the surviving ranks' pending
 collectives fail too, or time out after `--dist-timeout`).
@@ -76,6 +76,9 @@ def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArg
     `run_scheduler_process`) a `SchedulerReady` or an error string. TP ranks > 0 get resolved
     flags and send only the second message.
     """
+    # Ctrl-C reaches the whole process group; the API process answers it by stopping this
+    # one (SIGTERM), so a second traceback from here would only be noise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     import torch
 
@@ -340,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         return launch_server(server_args)
     except InvalidServerArgs as e:
         parser.error(str(e))
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn serves (which handles it itself)
+        logger.info("Interrupted; the scheduler processes were stopped")
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":
