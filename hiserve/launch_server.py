@@ -21,8 +21,8 @@ meet at `--dist-init-addr` (default: a free local port) through torch.distribute
 0 talks to the API process; every rank's pipe reports its readiness (or its error).
 
 The scheduler processes are killed whenever this process leaves, normally or by SIGTERM /
-SIGINT (Ctrl-C: exit status 130, one log line, no traceback from either process). If the one scheduler (TP 1) dies first, requests fail with 503 instead of waiting
-forever. With TP > 1 no rank can serve alone: when any rank exits, the server logs which one
+SIGINT (Ctrl-C: exit status 130, one log line, no traceback from either process). If the one
+scheduler (TP 1) dies first, requests fail with 503 instead of waiting forever. With TP > 1 no rank can serve alone: when any rank exits, the server logs which one
 and with what code, stops the others and exits with status 1 (the surviving ranks' pending
 collectives fail too, or time out after `--dist-timeout`).
 
