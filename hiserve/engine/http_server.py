@@ -47,6 +47,7 @@ from hiserve.engine.route_helpers import (
     sse_stream,
 )
 from hiserve.engine.tokenizer_manager import TokenizerManager
+from hiserve.engine.validation_errors import describe_validation_errors
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # The deepest location names the parameter best (inside unions and nested objects).
         primary = max(errors, key=lambda e: len(e["loc"]))
         param = param_from_loc(primary["loc"])
-        lines = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:4]]
-        return error_response(BadRequestError("Invalid request: " + "; ".join(lines), param=param))
+        return error_response(BadRequestError("Invalid request: " + describe_validation_errors(errors), param=param))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         err = ApiError(str(exc.detail))
