@@ -66,3 +66,55 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) ->
     err = (out.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
     assert err <= tol * scale + 1e-3, f"max abs error {err:.4g} vs reference scale {scale:.4g}"
+
+
+def extend_inputs(dtype, *, group, head_dim, requests, hkv=2, seed=0):
+    """One batch straight for the paged kernel: request b = (prefix_b, n_b) has prefix_b + n_b
+    context tokens on shuffled pool slots (page size 1), its n_b new tokens the last of them
+    (a DECODE batch: n_b = 1 for every b). Returns q [T, hq * d], k, v [slots, hkv, d],
+    req_to_token, req_pool_indices, seq_lens, extend starts (cumulative n_b), hq."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, total = hkv * group, sum(p + n for p, n in requests)
+    k = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
+    r2t = torch.zeros(len(requests), max(p + n for p, n in requests), dtype=torch.int32)
+    slots, used = torch.randperm(total + 5, generator=gen)[:total].to(torch.int32), 0
+    for i, (p, n) in enumerate(requests):
+        r2t[i, :p + n] = slots[used:used + p + n]
+        used += p + n
+    news = [n for _, n in requests]
+    q = torch.randn(sum(news), hq * head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([p + n for p, n in requests], dtype=torch.int64)
+    starts = torch.tensor([0] + news, dtype=torch.int64).cumsum(0)
+    return q, k, v, r2t, torch.arange(len(requests), dtype=torch.int64), lens, starts, hq
+
+
+def decode_inputs(dtype, *, group, head_dim, contexts, hkv=2, seed=0):
+    """`extend_inputs` of one new token per request over contexts[b] - 1 cached ones."""
+    return extend_inputs(dtype, group=group, head_dim=head_dim, requests=[(n - 1, 1) for n in contexts],
+                         hkv=hkv, seed=seed)
+
+
+def extend_reference(q, k, v, r2t, lens, starts, hq, scale):
+    """float64 causal softmax(q k^T scale) v: query i of request b (of n) sees its first
+    len_b - n + i + 1 keys. Returns [T, hq * d] in q's dtype."""
+    hkv, d = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape[0], hq, d, dtype=torch.float64)
+    for b, total in enumerate(lens.tolist()):
+        s0, s1 = int(starts[b]), int(starts[b + 1])
+        n, slots = s1 - s0, r2t[b, :total].long()
+        kk = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [total, hq, d]
+        vv = v[slots].double().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", q[s0:s1].double().view(n, hq, d), kk) * scale
+        visible = torch.arange(total).view(1, -1) <= torch.arange(total - n, total).view(-1, 1)  # [n, total]
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[s0:s1] = torch.einsum("hij,jhd->ihd", p, vv)
+    return out.view(q.shape[0], hq * d).to(q.dtype)
+
+
+def assert_close_per_row(got, want, tol):
+    """Each output row against its own scale: a long context's output is a mean of many V
+    rows (small), a one-key context's a raw V row (large); one batch-wide scale would let a
+    wrong long-context row pass under the short one's magnitude."""
+    for i in range(want.shape[0]):
+        assert_close_rel(got[i], want[i], tol)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_pools import Pools, assert_close_rel
+from paged_pools import Pools, assert_close_per_row, assert_close_rel, decode_inputs, extend_reference
 
 from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.attention.base import RadixAttention
@@ -140,35 +140,6 @@ def test_kernel_rejects_inconsistent_lengths():
             cpu_kernels.paged_attention(q, k, k, r2t, idx, lens, st, 2, 1.0)
 
 
-def decode_inputs(dtype, *, group, head_dim, contexts, hkv=2, seed=0):
-    """A DECODE batch straight for the kernel: one query per request, each request's context
-    on shuffled pool slots (page size 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    hq, b, total = hkv * group, len(contexts), sum(contexts)
-    k = torch.randn(total + 3, hkv, head_dim, generator=gen).to(dtype)
-    v = torch.randn(total + 3, hkv, head_dim, generator=gen).to(dtype)
-    r2t = torch.zeros(b, max(contexts), dtype=torch.int32)
-    slots = torch.randperm(total + 3, generator=gen)[:total].to(torch.int32)
-    for i, n in enumerate(contexts):
-        r2t[i, :n] = slots[sum(contexts[:i]):sum(contexts[:i]) + n]
-    q = torch.randn(b, hq * head_dim, generator=gen).to(dtype)
-    lens = torch.tensor(contexts, dtype=torch.int64)
-    return q, k, v, r2t, torch.arange(b, dtype=torch.int64), lens, torch.arange(b + 1, dtype=torch.int64), hq
-
-
-def decode_reference(q, k, v, r2t, lens, hq, scale):
-    """float64 softmax(q k^T scale) v per request and head, rounded to q's dtype."""
-    hkv, d = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape[0], hq, d, dtype=torch.float64)
-    for i, n in enumerate(lens.tolist()):
-        slots = r2t[i, :n].long()
-        kk = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
-        vv = v[slots].double().repeat_interleave(hq // hkv, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double().view(hq, d), kk) * scale, dim=-1)
-        out[i] = torch.einsum("hn,nhd->hd", p, vv)
-    return out.view(q.shape[0], hq * d).to(q.dtype)
-
-
 # Key counts at the kernel's edges: one key, a 16-key block +-1, a 64-key tile +-1, several tiles.
 EDGE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 300]
 
@@ -184,15 +155,7 @@ def test_decode_kernel_head_dims_groups_and_tile_edges(dtype, group, head_dim):
                                                         contexts=EDGE_CONTEXTS)
     scale = head_dim ** -0.5
     got = cpu_kernels.paged_attention(q, k, v, r2t, idx, lens, starts, hq, scale)
-    assert_close_per_request(got, decode_reference(q, k, v, r2t, lens, hq, scale), TOL[dtype])
-
-
-def assert_close_per_request(got, want, tol):
-    """Each request's row against its own scale: a long context's output is a mean of many V
-    rows (small), a one-key context's a raw V row (large); one batch-wide scale would let a
-    wrong long-context row pass under the short one's magnitude."""
-    for i in range(want.shape[0]):
-        assert_close_rel(got[i], want[i], tol)
+    assert_close_per_row(got, extend_reference(q, k, v, r2t, lens, starts, hq, scale), TOL[dtype])
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
@@ -211,10 +174,10 @@ def test_decode_kernel_every_isa_tier(isa, dtype):
         q, k, v, r2t, idx, lens, starts, hq = decode_inputs(dtype, group=group, head_dim=head_dim,
                                                             contexts=contexts, hkv=hkv, seed=group)
         scale = head_dim ** -0.5
-        want = decode_reference(q, k, v, r2t, lens, hq, scale)
+        want = extend_reference(q, k, v, r2t, lens, starts, hq, scale)
         for threads in (1, 2):
             out = torch.empty_like(q)
             # starts x3, False: no K/V store (test_cpu_attention_kv_store.py covers it)
             mod.paged_attention(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts, False, hq,
                                 k.shape[1], scale, threads)
-            assert_close_per_request(out, want, TOL[dtype])
+            assert_close_per_row(out, want, TOL[dtype])

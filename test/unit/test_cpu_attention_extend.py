@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_pools import assert_close_rel
+from paged_pools import assert_close_per_row, extend_inputs, extend_reference
 
 from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.attention import cpu_backend
@@ -21,48 +21,6 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # (prefix, new tokens): fresh prompts and chunks over a prefix, at the 64-key tile and the
 # 16-query block edges; row counts (new x group) leave every remainder of the 4-row block.
 REQUESTS = [(0, 2), (0, 17), (1, 5), (63, 3), (64, 16), (65, 50), (0, 130), (300, 7), (1000, 33)]
-
-
-def extend_inputs(dtype, *, group, head_dim, requests, hkv=2, seed=0):
-    """One EXTEND batch for the kernel: request b has prefix_b + n_b context tokens on shuffled
-    pool slots, its n_b new tokens the last of them."""
-    gen = torch.Generator().manual_seed(seed)
-    hq, total = hkv * group, sum(p + n for p, n in requests)
-    k = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
-    v = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
-    r2t = torch.zeros(len(requests), max(p + n for p, n in requests), dtype=torch.int32)
-    slots, used = torch.randperm(total + 5, generator=gen)[:total].to(torch.int32), 0
-    for i, (p, n) in enumerate(requests):
-        r2t[i, :p + n] = slots[used:used + p + n]
-        used += p + n
-    news = [n for _, n in requests]
-    q = torch.randn(sum(news), hq * head_dim, generator=gen).to(dtype)
-    lens = torch.tensor([p + n for p, n in requests], dtype=torch.int64)
-    starts = torch.tensor([0] + news, dtype=torch.int64).cumsum(0)
-    return q, k, v, r2t, torch.arange(len(requests), dtype=torch.int64), lens, starts, hq
-
-
-def extend_reference(q, k, v, r2t, lens, starts, hq, scale):
-    """float64 causal softmax(q k^T scale) v: query i of request b (of n) sees its first
-    len_b - n + i + 1 keys. Returns [T, hq * d] in q's dtype."""
-    hkv, d = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape[0], hq, d, dtype=torch.float64)
-    for b, total in enumerate(lens.tolist()):
-        s0, s1 = int(starts[b]), int(starts[b + 1])
-        n, slots = s1 - s0, r2t[b, :total].long()
-        kk = k[slots].double().repeat_interleave(hq // hkv, dim=1)  # [total, hq, d]
-        vv = v[slots].double().repeat_interleave(hq // hkv, dim=1)
-        scores = torch.einsum("ihd,jhd->hij", q[s0:s1].double().view(n, hq, d), kk) * scale
-        visible = torch.arange(total).view(1, -1) <= torch.arange(total - n, total).view(-1, 1)  # [n, total]
-        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out[s0:s1] = torch.einsum("hij,jhd->ihd", p, vv)
-    return out.view(q.shape[0], hq * d).to(q.dtype)
-
-
-def assert_close_per_token(got, want, tol):
-    """Each output row against its own scale (a one-key row is a raw V row, a long one a mean)."""
-    for i in range(want.shape[0]):
-        assert_close_rel(got[i], want[i], tol)
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
@@ -82,7 +40,7 @@ def test_extend_kernel_every_isa_tier(isa, dtype, group, head_dim):
         out = torch.empty_like(q)
         mod.paged_attention(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts, False, hq,
                             k.shape[1], scale, threads)
-        assert_close_per_token(out, want, TOL[dtype])
+        assert_close_per_row(out, want, TOL[dtype])
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
@@ -95,7 +53,7 @@ def test_extend_lone_long_request_splits(isa, dtype):
     out = torch.empty_like(q)
     cpu_kernels.load_cpu_module(isa).paged_attention(q, k, v, out, r2t, idx, lens, starts, starts, starts, starts,
                                                      False, hq, 1, 0.125, 2)
-    assert_close_per_token(out, want, TOL[dtype])
+    assert_close_per_row(out, want, TOL[dtype])
 
 
 def test_extend_tile_outliers_stay_finite():
@@ -107,7 +65,7 @@ def test_extend_tile_outliers_stay_finite():
     want = extend_reference(q, k, v, r2t, lens, starts, hq, 0.125)
     got = cpu_kernels.paged_attention(q, k, v, r2t, idx, lens, starts, hq, 0.125)
     assert torch.isfinite(got.float()).all()
-    assert_close_per_token(got, want, TOL[torch.bfloat16])
+    assert_close_per_row(got, want, TOL[torch.bfloat16])
 
 
 def test_extend_routing_choice_and_override(monkeypatch):
