@@ -1,5 +1,6 @@
 """Test harness: device pools with requests whose pages are scattered over the pool, and the
-ForwardBatches a scheduler would build for them (used by the fa3 backend tests, CPU and CUDA)."""
+ForwardBatches a scheduler would build for them (used by the fa3 backend tests, CPU and CUDA);
+inputs, a float64 reference and a per-row check for the paged CPU kernel called directly."""
 
 from __future__ import annotations
 
