@@ -21,10 +21,13 @@ meet at `--dist-init-addr` (default: a free local port) through torch.distribute
 0 talks to the API process; every rank's pipe reports its readiness (or its error).
 
 The scheduler processes are killed whenever this process leaves, normally or by SIGTERM /
-SIGINT (Ctrl-C: exit status 130, one log line, no traceback from either process). If the one
-scheduler (TP 1) dies first, requests fail with 503 instead of waiting forever. With TP > 1 no rank can serve alone: when any rank exits, the server logs which one
-and with what code, stops the others and exits with status 1 (the surviving ranks' pending
-collectives fail too, or time out after `--dist-timeout`).
+SIGINT. Ctrl-C: uvicorn stops accepting, gives open requests `_GRACEFUL_SHUTDOWN_S` to end,
+then this process stops the schedulers and exits with status 130 (as a shell reports an
+interrupted command), one log line and no traceback from either process. If the one
+scheduler (TP 1) dies first, requests fail with 503 instead of waiting forever. With TP > 1
+no rank can serve alone: when any rank exits, the server logs which one and with what code,
+stops the others and exits with status 1 (the surviving ranks' pending collectives fail too,
+or time out after `--dist-timeout`).
 
 Threads: the scheduler process computes on `scheduler_threads()` torch/OpenMP threads (the
 cores it may use: its affinity, capped by a cgroup v2 cpu.max quota; or OMP_NUM_THREADS when
@@ -50,6 +53,9 @@ logger = logging.getLogger("hiserve.launch_server")
 
 _WARMUP_PROMPT = "The capital city of France is"
 _WARMUP_TIMEOUT_S = 600.0
+# Ctrl-C / SIGTERM while serving: how long open requests (a long stream) may take to end
+# before uvicorn closes them; unset, uvicorn waits for every one.
+_GRACEFUL_SHUTDOWN_S = 5
 
 
 class InvalidServerArgs(ValueError):
@@ -77,8 +83,10 @@ def _run_scheduler(num_threads: int, server_args: ServerArgs, port_args: PortArg
     flags and send only the second message.
     """
     # Ctrl-C reaches the whole process group; the API process answers it by stopping this
-    # one (SIGTERM), so a second traceback from here would only be noise.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # one (SIGTERM), so a second traceback from here would only be noise. A do-nothing handler
+    # rather than SIG_IGN: an ignored signal stays ignored in the compilers this process
+    # starts (JIT builds), a handled one is reset to the default at their exec.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     import torch
 
@@ -229,6 +237,7 @@ async def _serve(app: Any, tm: Any, server_args: ServerArgs, procs: list[mp.Proc
 
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                             log_level=server_args.log_level, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
                             access_log=server_args.log_level == "debug")
     server = uvicorn.Server(config)
     warm_up_failed = rank_died = False
@@ -297,7 +306,13 @@ def launch_server(server_args: ServerArgs) -> int:
         reader, writer = spawn.Pipe(duplex=False)
         proc = spawn.Process(target=_run_scheduler, args=(threads, args, port_args, writer, rank, dist_addr),
                              name="hiserve-scheduler" if tp == 1 else f"hiserve-scheduler-tp{rank}")
-        proc.start()
+        # The child inherits an ignored SIGINT until _run_scheduler installs its handler: a
+        # Ctrl-C while it starts the interpreter and unpickles its arguments stays quiet too.
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, old)
         writer.close()  # ours; the child holds its own copy, so its death closes the pipe
         readers.append(reader)
         procs.append(proc)
@@ -343,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         return launch_server(server_args)
     except InvalidServerArgs as e:
         parser.error(str(e))
-    except KeyboardInterrupt:  # Ctrl-C before uvicorn serves (which handles it itself)
+    # Ctrl-C: during start-up, or while serving (uvicorn shuts down, then re-raises the SIGINT
+    # it caught; asyncio.run turns it into KeyboardInterrupt); `finally` stopped the schedulers.
+    except KeyboardInterrupt:
         logger.info("Interrupted; the scheduler processes were stopped")
         return 128 + signal.SIGINT
 

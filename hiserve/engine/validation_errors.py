@@ -22,38 +22,52 @@ _TYPE_PREFIXES = ("function-", "tagged-union", "lax-", "json-or-python", "constr
 _MAX_LINES = 4
 
 
-def _is_type_segment(part: Any) -> bool:
+# Keys whose mapping's own keys are the user's (a logit_bias token id or string), never tags.
+_USER_KEYED = frozenset({"logit_bias"})
+
+
+def _is_type_segment(part: Any, parent: Any = None) -> bool:
     """A union member's or validator's tag: a type name ('str', 'list[int]', a model's class
-    name) rather than a request key (lower-case words) or a list index (an int)."""
-    if not isinstance(part, str) or not part:
+    name) rather than a request key (lower-case words), a list index (an int) or a key the
+    user chose inside a mapping such as logit_bias (`parent`: the last key before `part`)."""
+    if not isinstance(part, str) or not part or parent in _USER_KEYED:
         return False
     return part in _TYPE_SEGMENTS or "[" in part or part[0].isupper() or part.startswith(_TYPE_PREFIXES)
+
+
+def _type_positions(loc: Sequence[Any]) -> list[int]:
+    """Indices of the type segments of `loc`."""
+    tags, parent = [], None
+    for i, part in enumerate(loc):
+        if _is_type_segment(part, parent):
+            tags.append(i)
+        else:
+            parent = part
+    return tags
 
 
 def field_path(loc: Sequence[Any]) -> tuple[Any, ...]:
     """The request keys and list indices of a pydantic error location, without the leading
     'body' and without union-member tags: ("body", "text", "list[str]", 0) -> ("text", 0)."""
-    parts = list(loc[1:]) if loc and loc[0] in ("body", "query", "path", "header") else list(loc)
-    return tuple(p for p in parts if not _is_type_segment(p))
+    tags = set(_type_positions(loc))
+    start = 1 if loc and loc[0] in ("body", "query", "path", "header") else 0
+    return tuple(p for i, p in enumerate(loc) if i >= start and i not in tags)
 
 
 def _deepest_members(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The errors of each union's deepest-reaching member(s): a member is the location up to
-    and including its first type segment; the others failed sooner, on a type the user did
-    not mean."""
-    def member(loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any] | None:
-        i = next((i for i, p in enumerate(loc) if _is_type_segment(p)), None)
-        return None if i is None else (tuple(loc[:i]), loc[i])
+    """The errors that lie, at every union on their path, under that union's deepest-reaching
+    member(s). A member is the location up to and including a type segment; the others failed
+    sooner, on a type the user did not mean. The deepest error of all always stays."""
+    def members(loc: Sequence[Any]) -> list[tuple[tuple[Any, ...], Any]]:
+        return [(tuple(loc[:i]), loc[i]) for i in _type_positions(loc)]
 
     depth: dict[tuple[Any, ...], int] = {}  # union location -> deepest error under it
-    for e in errors:
-        if (m := member(e["loc"])) is not None:
-            depth[m[0]] = max(depth.get(m[0], 0), len(e["loc"]))
     reach: dict[tuple[tuple[Any, ...], Any], int] = {}  # member -> its deepest error
     for e in errors:
-        if (m := member(e["loc"])) is not None:
+        for m in members(e["loc"]):
+            depth[m[0]] = max(depth.get(m[0], 0), len(e["loc"]))
             reach[m] = max(reach.get(m, 0), len(e["loc"]))
-    return [e for e in errors if (m := member(e["loc"])) is None or reach[m] == depth[m[0]]]
+    return [e for e in errors if all(reach[m] == depth[m[0]] for m in members(e["loc"]))]
 
 
 def describe_validation_errors(errors: Sequence[dict[str, Any]]) -> str:
@@ -63,6 +77,10 @@ def describe_validation_errors(errors: Sequence[dict[str, Any]]) -> str:
     Args:
         errors: `RequestValidationError.errors()` / `ValidationError.errors()` dicts, each with
             "loc" (a tuple of str keys and int indices) and "msg".
+
+    Returns:
+        e.g. "text: Input should be a valid string or a valid list"; never empty when
+        `errors` is not ("body: ..." for an error on the body itself).
     """
     messages: dict[tuple[Any, ...], list[str]] = {}
     for err in _deepest_members(errors):

@@ -49,8 +49,9 @@ def _log_tail(proc: subprocess.Popen, n_chars: int = 4000) -> str:
 
 
 def popen_launch_server(extra_args: list[str] = (), timeout: float = DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
-                        env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
-    """Launch a server on a free port and wait for /health 200; returns (process, base_url).
+                        env: Optional[dict[str, str]] = None, wait: bool = True) -> tuple[subprocess.Popen, str]:
+    """Launch a server on a free port and wait for /health 200 (`wait=False`: return at once);
+    returns (process, base_url).
 
     The server's output goes to a temporary log file (`proc.log_path`), whose tail is in
     the exception if the server exits or does not come up in time.
@@ -64,6 +65,8 @@ def popen_launch_server(extra_args: list[str] = (), timeout: float = DEFAULT_TIM
                             env={**os.environ, **(env or {})}, start_new_session=True)
     log.close()
     proc.log_path = log.name
+    if not wait:
+        return proc, base_url
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=5.0) as client:
         while time.monotonic() < deadline:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server import find_free_port, kill, popen_launch_server
+from server import kill, popen_launch_server
 
 
 def _scheduler_pid(server_pid: int) -> int:
@@ -64,14 +61,27 @@ def test_scheduler_death_fails_requests(server):
         assert proc.poll() is None  # still answering, not hanging or gone
 
 
-def _ctrl_c(proc) -> tuple[int, str]:
+def _ctrl_c(proc, within: float = 30.0) -> tuple[int, str]:
     """SIGINT to the server's whole process group, as a terminal's Ctrl-C sends it; (exit
-    status, log)."""
-    os.killpg(os.getpgid(proc.pid), signal.SIGINT)
+    status, log). Every process of the group must be gone within `within` seconds."""
+    pgid = os.getpgid(proc.pid)
     try:
-        code = proc.wait(30)
+        os.killpg(pgid, signal.SIGINT)
+        code = proc.wait(within)
+        deadline = time.monotonic() + 10
+        while True:  # the scheduler (and anything it started) too, not only the API process
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "processes of the server's group outlived it"
+            time.sleep(0.1)
     finally:
-        kill(proc)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     return code, Path(proc.log_path).read_text(errors="replace")
 
 
@@ -82,24 +92,33 @@ def _wait_for_log(proc, text: str, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def test_ctrl_c_while_serving_exits_without_traceback():
-    proc, _ = popen_launch_server(["--skip-server-warmup"])
-    code, log = _ctrl_c(proc)
-    # uvicorn shuts down, then re-raises the SIGINT it caught: exit status 130, as a shell reports
+def test_ctrl_c_while_streaming_exits_soon_without_traceback():
+    """A long stream is open: uvicorn gives it a few seconds (launch_server's graceful
+    shutdown), then the server exits 130, as a shell reports an interrupted command."""
+    proc, url = popen_launch_server(["--skip-server-warmup"])
+    body = {"text": "Tell me a story.", "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client, client.stream("POST", "/generate", json=body) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            start = time.monotonic()
+            code, log = _ctrl_c(proc, within=30)
+            elapsed = time.monotonic() - start
+    finally:
+        kill(proc)  # only if something above failed first
+    assert elapsed < 20, f"exit took {elapsed:.1f} s"
     assert code == 128 + signal.SIGINT, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
 
 
 def test_ctrl_c_during_start_up_exits_without_traceback():
-    log = tempfile.NamedTemporaryFile(prefix="hiserve_ctrl_c_", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "hiserve.launch_server", "--dtype", "float32",
-                             "--port", str(find_free_port()), "--skip-server-warmup"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    proc.log_path = log.name
-    # Logged once the scheduler process has resolved the flags and is loading the model.
-    _wait_for_log(proc, "server_args:")
-    code, text = _ctrl_c(proc)
+    proc, _ = popen_launch_server(["--skip-server-warmup"], wait=False)
+    try:
+        # Logged once the scheduler process has resolved the flags and is loading the model.
+        _wait_for_log(proc, "server_args:")
+    finally:
+        code, text = _ctrl_c(proc)
+    assert "Scheduler ready" not in text, "the interrupt came after start-up; nothing was tested"
     assert code == 128 + signal.SIGINT, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     assert "Interrupted" in text

@@ -69,11 +69,13 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) ->
     assert err <= tol * scale + 1e-3, f"max abs error {err:.4g} vs reference scale {scale:.4g}"
 
 
-def extend_inputs(dtype, *, group, head_dim, requests, hkv=2, seed=0):
+def extend_inputs(dtype: torch.dtype, *, group: int, head_dim: int, requests: list[tuple[int, int]], hkv: int = 2,
+                  seed: int = 0) -> tuple:
     """One batch straight for the paged kernel: request b = (prefix_b, n_b) has prefix_b + n_b
     context tokens on shuffled pool slots (page size 1), its n_b new tokens the last of them
     (a DECODE batch: n_b = 1 for every b). Returns q [T, hq * d], k, v [slots, hkv, d],
-    req_to_token, req_pool_indices, seq_lens, extend starts (cumulative n_b), hq."""
+    req_to_token (int32), req_pool_indices, seq_lens, extend starts (cumulative n_b; these three
+    int64), hq."""
     gen = torch.Generator().manual_seed(seed)
     hq, total = hkv * group, sum(p + n for p, n in requests)
     k = torch.randn(total + 5, hkv, head_dim, generator=gen).to(dtype)
@@ -90,13 +92,15 @@ def extend_inputs(dtype, *, group, head_dim, requests, hkv=2, seed=0):
     return q, k, v, r2t, torch.arange(len(requests), dtype=torch.int64), lens, starts, hq
 
 
-def decode_inputs(dtype, *, group, head_dim, contexts, hkv=2, seed=0):
+def decode_inputs(dtype: torch.dtype, *, group: int, head_dim: int, contexts: list[int], hkv: int = 2,
+                  seed: int = 0) -> tuple:
     """`extend_inputs` of one new token per request over contexts[b] - 1 cached ones."""
     return extend_inputs(dtype, group=group, head_dim=head_dim, requests=[(n - 1, 1) for n in contexts],
                          hkv=hkv, seed=seed)
 
 
-def extend_reference(q, k, v, r2t, lens, starts, hq, scale):
+def extend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r2t: torch.Tensor, lens: torch.Tensor,
+                     starts: torch.Tensor, hq: int, scale: float) -> torch.Tensor:
     """float64 causal softmax(q k^T scale) v: query i of request b (of n) sees its first
     len_b - n + i + 1 keys. Returns [T, hq * d] in q's dtype."""
     hkv, d = k.shape[1], k.shape[2]
@@ -113,7 +117,7 @@ def extend_reference(q, k, v, r2t, lens, starts, hq, scale):
     return out.view(q.shape[0], hq * d).to(q.dtype)
 
 
-def assert_close_per_row(got, want, tol):
+def assert_close_per_row(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     """Each output row against its own scale: a long context's output is a mean of many V
     rows (small), a one-key context's a raw V row (large); one batch-wide scale would let a
     wrong long-context row pass under the short one's magnitude."""
