@@ -21,11 +21,14 @@ logger = logging.getLogger(__name__)
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where prepacked oneDNN linear is available and used: CPU, bfloat16."""
+    """True where prepacked oneDNN linear is available and used: CPU, bfloat16, and a CPU
+    whose oneDNN bf16 path runs (AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU the
+    pack raises, so bf16 there takes the plain `F.linear`)."""
+    mkldnn = torch.ops.mkldnn
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 class PackedLinear(nn.Module):

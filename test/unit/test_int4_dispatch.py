@@ -129,3 +129,17 @@ def test_dense_copy_flag(monkeypatch):
     assert isinstance(layer, GGUFInt4Linear) and layer._dense is None
     monkeypatch.setenv("HISERVE_GGUF_DENSE_COPY", "1")
     assert make_linear(96, 128, False, torch.bfloat16, config, ["w"])._dense is not None
+
+
+def test_dense_copy_without_onednn_bf16_is_a_plain_weight(monkeypatch):
+    """A CPU whose oneDNN has no bf16 path (AVX2 only: its weight pack raises) keeps the
+    dense copy as a plain bf16 weight for F.linear, with the same results."""
+    from hiserve.layers.linear import PackedLinear, can_pack_for_cpu
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not can_pack_for_cpu(torch.device("cpu"), torch.bfloat16)
+    layer, w = _layer()
+    assert isinstance(layer.dense_weight, torch.Tensor) and not isinstance(layer.dense_weight, PackedLinear)
+    layer.dense_from_rows = 1
+    x = torch.randn(16, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), x.float() @ w.to(torch.bfloat16).float().t(), rtol=2e-2, atol=0.15)
