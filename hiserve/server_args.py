@@ -54,10 +54,11 @@ class ServerArgs:
         choices=("auto", "float32", "bfloat16", "float16"))
     quantization: Optional[str] = _arg(
         None, "Weight format. 'gguf': a GGUF file served in its own format: its Q4_0/Q4_1 projections "
-        "run as int4 weight-only GEMM with --dtype activations (PyTorch's CPU int4 kernel, group 32), "
-        "other GGUF types (the Q8_0/Q6_K/F16 embedding or head) dequantized to --dtype; CPU only. "
-        "'none': every tensor dequantized to --dtype. Default: gguf for a GGUF model on the CPU "
-        "unless --dtype float32 (the reference dtype, kept bit-comparable with transformers) or "
+        "run as int4 weight-only GEMM (PyTorch's CPU int4 kernel, group 32, computing in bfloat16; "
+        "float32 activations are cast), other GGUF types (the Q8_0/Q6_K/F16 embedding or head) "
+        "dequantized to --dtype; CPU only. 'none': every tensor dequantized to --dtype. Default: gguf "
+        "for a GGUF model on the CPU unless --dtype float32 is given (the reference dtype, kept "
+        "bit-comparable with transformers; float32 chosen by --dtype auto keeps gguf) or "
         "--load-format dummy; none otherwise (CUDA, HF folders).",
         choices=("gguf", "none"))
     device: str = _arg("auto", "Device to run on; 'auto' picks cuda when available.",
@@ -249,7 +250,8 @@ class ServerArgs:
             self.device = platform.device_type
         if self.device == "cuda" and platform.device_type != "cuda":
             raise ValueError("--device cuda was given but no CUDA device is available")
-        if self.dtype == "auto":
+        dtype_auto = self.dtype == "auto"
+        if dtype_auto:
             if self.device == "cuda":
                 self.dtype, why = "bfloat16", "CUDA"
             elif platform.cpu.has_native_bf16:
@@ -259,7 +261,7 @@ class ServerArgs:
             logger.info("--dtype auto -> %s (%s: %s)", self.dtype, why, platform.cpu.describe())
 
         resolve_tp(self)  # before the quantization default: TP > 1 has no int4 GGUF path
-        self._resolve_quantization()
+        self._resolve_quantization(dtype_auto)
 
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
@@ -331,13 +333,16 @@ class ServerArgs:
                 f"ServerArgs is frozen after resolve(); cannot set {name}")
         object.__setattr__(self, name, value)
 
-    def _resolve_quantization(self) -> None:
-        """--quantization default (gguf for a GGUF model on the CPU in bf16/fp16), and its limits."""
+    def _resolve_quantization(self, dtype_auto: bool = False) -> None:
+        """--quantization default (gguf for a GGUF model on the CPU, unless --dtype float32 was
+        asked for: the transformers-equality reference), and its limits. `dtype_auto`: --dtype
+        was auto, so a float32 here is the CPU's choice (no native bf16), not the reference."""
         from hiserve.models.loader import is_gguf
 
         gguf_file = is_gguf(self.model_path)
         if self.quantization is None:
-            if gguf_file and self.device == "cpu" and self.dtype != "float32" and self.load_format == "auto":
+            native_ok = self.dtype != "float32" or dtype_auto
+            if gguf_file and self.device == "cpu" and native_ok and self.load_format == "auto":
                 self.quantization, why = "gguf", "GGUF model on the CPU"
             else:
                 self.quantization = "none"

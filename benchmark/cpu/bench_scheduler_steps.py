@@ -10,6 +10,9 @@ dense dispatch, bf16, cpu_paged) and drives it directly:
   ignore_eos; a request arrives when one finishes. TTFT = arrival to the step that emits its
   first token (streaming), so HTTP and tokenizer time are left out.
 
+`--batch 16`: also the median decode step with 16 requests running (scenario (b) at c=16).
+`--dtype` / `--quantization`: as the server's flags, for an A/B of the defaults on one CPU.
+
 Times are process CPU time by default (with OMP_NUM_THREADS=1 on a shared machine they leave
 out the time other jobs hold the core); `--clock wall` for a quiet machine. To compare two
 commits, run the script with PYTHONPATH pointing at each checkout in turn.
@@ -37,8 +40,8 @@ WORDS = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven", 
 class Driver:
     """A scheduler without sockets, stepped by hand; `clock` times the steps."""
 
-    def __init__(self, clock):
-        self.sched = Scheduler(ServerArgs(device="cpu").resolve(), None)
+    def __init__(self, clock, **flags):
+        self.sched = Scheduler(ServerArgs(device="cpu", **flags).resolve(), None)
         self.clock = clock
         self._rid = 0
 
@@ -82,6 +85,19 @@ def single_stream(d: Driver, repeats: int) -> dict:
             prefill.append(next(ms for ext, ms in steps if ext))
     return {"decode_step_ms": statistics.median(decode), "prefill_200_ms": statistics.median(prefill),
             "decode_samples_ms": decode, "prefill_samples_ms": prefill}
+
+
+def batched_decode(d: Driver, batch: int = 16, prompt: int = 300, out: int = 64) -> dict:
+    """Median decode step with `batch` requests running (scenario (b) at concurrency 16)."""
+    for i in range(batch):
+        d.submit([1000 + (i * 7 + j) % 20000 for j in range(prompt)], out)
+    steps = []
+    while d.busy():
+        ext, ms, _ = d.step()
+        if not ext and len(d.sched.running) == batch:
+            steps.append(ms)
+    d.sched.flush_cache()
+    return {"batch": batch, "decode_step_ms": statistics.median(steps), "steps": len(steps)}
 
 
 def shared_prefix(d: Driver, num: int = 32, concurrency: int = 8, seed: int = 0) -> dict:
@@ -132,10 +148,14 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--dtype", default="auto", help="as the server's flag (an A/B of the defaults)")
+    ap.add_argument("--quantization", default=None, help="as the server's flag (default: its default)")
+    ap.add_argument("--batch", type=int, default=0, help="also the median decode step at this many requests")
     args = ap.parse_args()
     import torch
 
-    d = Driver(time.process_time if args.clock == "cpu" else time.perf_counter)
+    d = Driver(time.process_time if args.clock == "cpu" else time.perf_counter, dtype=args.dtype,
+               quantization=args.quantization)
     shared_prefix(d, num=8)  # warm-up: kernels built, allocator primed
     single = single_stream(d, args.repeats)
     print(f"single stream: decode step {single['decode_step_ms']:.2f} ms, prefill of 200 tokens "
@@ -143,10 +163,16 @@ def main() -> None:
     shared = shared_prefix(d)
     print(f"shared prefix (scenario c, in process): TTFT mean {shared['ttft_mean_ms']:.0f} ms, median "
           f"{shared['ttft_median_ms']:.0f} ms; prefill steps {[round(x) for x in shared['prefill_steps_ms']]} ms")
+    batched = batched_decode(d, args.batch) if args.batch else None
+    if batched:
+        print(f"decode step at {args.batch} requests: {batched['decode_step_ms']:.2f} ms")
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "cpu_scheduler_steps", "clock": args.clock,
                                               "threads": torch.get_num_threads(), "cpu": _cpu_model(),
-                                              "single": single, "shared_prefix": shared}, indent=1))
+                                              "flags": {"dtype": d.sched.server_args.dtype,
+                                                        "quantization": d.sched.server_args.quantization},
+                                              "single": single, "shared_prefix": shared, "batched": batched},
+                                             indent=1))
 
 
 if __name__ == "__main__":

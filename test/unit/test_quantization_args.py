@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from hiserve.hardware import Platform
+from hiserve.hardware import CpuInfo, Platform
 from hiserve.server_args import ServerArgs
 
 CPU = Platform("cpu")
@@ -45,6 +45,20 @@ def test_default_for_a_gguf_file(gguf_file, caplog, dtype, device, load_format, 
                           attention_backend="torch_native").resolve(platform)
     assert args.quantization == expected
     assert f"--quantization not given -> {expected}" in caplog.text
+
+
+@pytest.mark.parametrize("features, dtype", [
+    ({"avx2", "fma", "f16c"}, "float32"),                                      # AVX2 only
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "float32"),  # AVX-512, no bf16
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, "bfloat16"),
+])
+def test_auto_dtype_keeps_the_gguf_default(gguf_file, features, dtype):
+    """--dtype auto picks float32 on a CPU without native bf16 dot products; that is the CPU's
+    choice, not a request for the float32 reference, so the GGUF is still served natively
+    (its int4 kernel runs in bf16 on cast activations: 10x faster than its float32 code)."""
+    platform = Platform("cpu", cpu=CpuInfo("x", frozenset(features)))
+    args = ServerArgs(model_path=gguf_file, device="cpu", attention_backend="torch_native").resolve(platform)
+    assert (args.dtype, args.quantization) == (dtype, "gguf")
 
 
 def test_default_for_an_hf_folder_is_none(hf_folder):
