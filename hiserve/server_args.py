@@ -250,15 +250,7 @@ class ServerArgs:
             self.device = platform.device_type
         if self.device == "cuda" and platform.device_type != "cuda":
             raise ValueError("--device cuda was given but no CUDA device is available")
-        dtype_auto = self.dtype == "auto"
-        if dtype_auto:
-            if self.device == "cuda":
-                self.dtype, why = "bfloat16", "CUDA"
-            elif platform.cpu.has_native_bf16:
-                self.dtype, why = "bfloat16", "CPU with native bf16 dot products (AVX512-BF16/AMX)"
-            else:  # without them bf16 matmuls convert every element: float32 is faster
-                self.dtype, why = "float32", "CPU without AVX512-BF16/AMX"
-            logger.info("--dtype auto -> %s (%s: %s)", self.dtype, why, platform.cpu.describe())
+        dtype_auto = self._resolve_dtype(platform)
 
         resolve_tp(self)  # before the quantization default: TP > 1 has no int4 GGUF path
         self._resolve_quantization(dtype_auto)
@@ -333,6 +325,20 @@ class ServerArgs:
                 f"ServerArgs is frozen after resolve(); cannot set {name}")
         object.__setattr__(self, name, value)
 
+    def _resolve_dtype(self, platform: "Platform") -> bool:
+        """--dtype auto -> bfloat16 on CUDA and on CPUs with native bf16 dot products, else
+        float32; returns whether it was auto."""
+        if self.dtype != "auto":
+            return False
+        if self.device == "cuda":
+            self.dtype, why = "bfloat16", "CUDA"
+        elif platform.cpu.has_native_bf16:
+            self.dtype, why = "bfloat16", "CPU with native bf16 dot products (AVX512-BF16/AMX)"
+        else:  # without them bf16 matmuls convert every element: float32 is faster
+            self.dtype, why = "float32", "CPU without AVX512-BF16/AMX"
+        logger.info("--dtype auto -> %s (%s: %s)", self.dtype, why, platform.cpu.describe())
+        return True
+
     def _resolve_quantization(self, dtype_auto: bool = False) -> None:
         """--quantization default (gguf for a GGUF model on the CPU, unless --dtype float32 was
         asked for: the transformers-equality reference), and its limits. `dtype_auto`: --dtype
@@ -346,7 +352,9 @@ class ServerArgs:
                 self.quantization, why = "gguf", "GGUF model on the CPU"
             else:
                 self.quantization = "none"
-                why = ("--dtype float32 is the reference path" if gguf_file and self.dtype == "float32"
+                reference = (gguf_file and not native_ok and self.device == "cpu"
+                             and self.load_format == "auto")
+                why = ("--dtype float32 is the reference path" if reference
                        else "not a GGUF model on the CPU with its weights")
             logger.info("--quantization not given -> %s (%s)", self.quantization, why)
         if self.quantization == "gguf":

@@ -1,7 +1,7 @@
 """Scheduler-level timings of `make serve` defaults, in process (no HTTP), for A/Bs across commits.
 
 Builds the scheduler as the server does (`ServerArgs(device="cpu").resolve()`: GGUF int4 with the
-dense dispatch, bf16, cpu_paged) and drives it directly:
+dense dispatch, bf16 (float32 on a CPU without native bf16), cpu_paged) and drives it directly:
 
 - single: one request of 200 prompt tokens and 64 output tokens, 5 times; the median decode
   step (schedule + forward + sample + output) and the 200-token prefill step.

@@ -9,7 +9,7 @@ the input dimension (ggml-common.h / gguf-py `gguf/quants.py`):
 PyTorch's CPU int4 weight-only kernel (`aten::_weight_int4pack_mm_for_cpu`, the kernel that
 torchao's `Int4CPULayout` also calls) takes codes 0..15 packed by
 `aten::_convert_weight_to_int4pack_for_cpu`, a group size (32 here: one GGUF block) and
-`scales_and_zeros[K/group, N, 2]` in the activation dtype, and computes with
+`scales_and_zeros[K/group, N, 2]` in its input dtype (bf16 here, see below), and computes with
 w = (q - 8) * scale + zero (checked by experiment against an identity matrix, see
 test/unit/test_gguf_quant.py). So the GGUF block maps exactly: scale = d and
 zero = m + 8*d (Q4_1), zero = 0 (Q4_0). The kernel's effective weight is the GGUF's up to
@@ -19,8 +19,9 @@ code: 1.2 ms against 0.10 ms in bf16 for one row of a 576 -> 1536 layer, 26x slo
 rows, on an AVX2 EPYC (the fast tiles are written for bf16/fp16 inputs).
 
 The layer's optional dense copy (for calls with many rows, see `int4_dispatch.py`) is gguf's
-own dequantization (`dequantize_q4`, bit-equal to gguf-py's) rounded once to the activation
-dtype: the same values the dequantized path (`--quantization none`) serves.
+own dequantization (`dequantize_q4`, bit-equal to gguf-py's) rounded once to the model dtype
+(2 bytes a weight in bf16, oneDNN-prepacked where oneDNN has a bf16 path; 4 in float32): the
+same values the dequantized path (`--quantization none`) serves.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ class GGUFInt4Linear(nn.Module):
     PyTorch's int4 kernel beats a dense GEMM when it is bound by reading the weight (a few
     rows: decode) and loses when it is compute-bound (prefill, batched decode: it dequantizes
     every group again for each row block). So with `dense_copy` the layer also keeps W as
-    gguf's dequantizer gives it, rounded once to `dtype` (oneDNN-prepacked in bfloat16, the
-    dequantized path's GEMM), and `forward` takes it when x has at least `dense_from_rows`
+    gguf's dequantizer gives it, rounded once to `dtype` (in bfloat16 oneDNN-prepacked where
+    oneDNN has a bf16 path, as the dequantized path's GEMM), and `forward` takes it when x has at least `dense_from_rows`
     rows. That threshold is set per machine after loading (`int4_dispatch.setup_int4_dispatch`);
     until then every call takes the int4 kernel.
 
@@ -217,7 +218,7 @@ class GGUFInt4Linear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             return _INT4_MM(x.contiguous(), self._w4, GROUP_SIZE, self._sz)
-        return _INT4_MM(x.to(torch.bfloat16), self._w4, GROUP_SIZE, self._sz).to(x.dtype)
+        return _INT4_MM(x.to(torch.bfloat16).contiguous(), self._w4, GROUP_SIZE, self._sz).to(x.dtype)
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self._dense_call(x)

@@ -1,7 +1,8 @@
 """Which GEMM a GGUF int4 layer runs, by the number of rows of the call, calibrated at start.
 
 `GGUFInt4Linear` keeps two forms of the same GGUF weights: int4 codes for PyTorch's int4
-weight-only kernel and a dense copy (oneDNN-prepacked in bfloat16). The int4 kernel reads
+weight-only kernel and a dense copy in the model dtype (bf16: oneDNN-prepacked where oneDNN
+has a bf16 path; float32 on CPUs without native bf16). The int4 kernel reads
 4x fewer weight bytes, so it wins while a GEMM is bound by reading the weight (one or a few
 rows: single-stream decode); the dense GEMM wins once the multiply is compute-bound (prefill,
 batched decode), because the int4 kernel re-dequantizes each group for every block of rows
