@@ -57,6 +57,7 @@ def test_int4_kernel_matches_gguf_dequantize_on_random_blocks(qtype):
     y = layer(x)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, x @ got.t(), rtol=2e-2, atol=0.15)  # bf16 output of sums of ~10
+    assert torch.equal(layer(x.t().contiguous().t()), y)  # a non-contiguous x (cast keeps strides)
 
 
 def test_split_q4_blocks_convention():
