@@ -85,6 +85,18 @@ def _ctrl_c(proc, within: float = 30.0) -> tuple[int, str]:
     return code, Path(proc.log_path).read_text(errors="replace")
 
 
+def _launch_interruptible(**kwargs):
+    """`popen_launch_server` whose server takes SIGINT even when this test run ignores it: a
+    background job of a non-interactive shell (`make test &`, some CI runners) starts with
+    SIGINT ignored, and an ignored signal stays ignored through fork and exec, where Python
+    then leaves it ignored. A handled one is reset to the default at exec."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return popen_launch_server(["--skip-server-warmup"], **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _wait_for_log(proc, text: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while text not in Path(proc.log_path).read_text(errors="replace"):
@@ -95,7 +107,7 @@ def _wait_for_log(proc, text: str, timeout: float = 120.0) -> None:
 def test_ctrl_c_while_streaming_exits_soon_without_traceback():
     """A long stream is open: uvicorn gives it a few seconds (launch_server's graceful
     shutdown), then the server exits 130, as a shell reports an interrupted command."""
-    proc, url = popen_launch_server(["--skip-server-warmup"])
+    proc, url = _launch_interruptible()
     body = {"text": "Tell me a story.", "stream": True,
             "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     try:
@@ -112,7 +124,7 @@ def test_ctrl_c_while_streaming_exits_soon_without_traceback():
 
 
 def test_ctrl_c_during_start_up_exits_without_traceback():
-    proc, _ = popen_launch_server(["--skip-server-warmup"], wait=False)
+    proc, _ = _launch_interruptible(wait=False)
     try:
         # Logged once the scheduler process has resolved the flags and is loading the model.
         _wait_for_log(proc, "server_args:")
