@@ -120,8 +120,8 @@ class GGUFInt4Linear(nn.Module):
     every group again for each row block). So with `dense_copy` the layer also keeps W as
     gguf's dequantizer gives it, rounded once to `dtype` (in bfloat16 oneDNN-prepacked where
     oneDNN has a bf16 path, as the dequantized path's GEMM), and `forward` takes it when x has
-    at least `dense_from_rows` rows. That threshold is set per machine after loading (`int4_dispatch.setup_int4_dispatch`);
-    until then every call takes the int4 kernel.
+    at least `dense_from_rows` rows. That threshold is set per machine after loading
+    (`int4_dispatch.setup_int4_dispatch`); until then every call takes the int4 kernel.
 
     Filled shard by shard (`load_rows`, e.g. q, k and v into one fused qkv_proj), then
     `finalize()` packs once; nothing is re-created per call.
