@@ -352,8 +352,8 @@ class ServerArgs:
                 self.quantization, why = "gguf", "GGUF model on the CPU"
             else:
                 self.quantization = "none"
-                reference = (gguf_file and not native_ok and self.device == "cpu"
-                             and self.load_format == "auto")
+                # Every other condition of gguf held: the asked-for float32 is what refused it.
+                reference = gguf_file and self.device == "cpu" and self.load_format == "auto"
                 why = ("--dtype float32 is the reference path" if reference
                        else "not a GGUF model on the CPU with its weights")
             logger.info("--quantization not given -> %s (%s)", self.quantization, why)

@@ -28,6 +28,7 @@ from hiserve.engine.request_extras import (
     response_format_schema,
 )
 from hiserve.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, SamplingParams
+from hiserve.engine.validation_errors import field_path
 
 
 def param_from_loc(loc: tuple[Any, ...]) -> Optional[str]:
@@ -36,9 +37,7 @@ def param_from_loc(loc: tuple[Any, ...]) -> Optional[str]:
     `("body", "max_tokens")` -> "max_tokens"; inside `sampling_params` the inner key is the
     parameter (`("body", "sampling_params", "SamplingParamsInput", "top_k")` -> "top_k").
     """
-    parts = [p for p in loc if isinstance(p, str)]
-    if parts and parts[0] in ("body", "query", "path", "header"):
-        parts = parts[1:]
+    parts = [p for p in field_path(loc) if isinstance(p, str)]  # keys, without "body" and union tags
     if not parts:
         return None
     if parts[0] == "sampling_params":

@@ -58,16 +58,15 @@ def _deepest_members(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The errors that lie, at every union on their path, under that union's deepest-reaching
     member(s). A member is the location up to and including a type segment; the others failed
     sooner, on a type the user did not mean. The deepest error of all always stays."""
-    def members(loc: Sequence[Any]) -> list[tuple[tuple[Any, ...], Any]]:
-        return [(tuple(loc[:i]), loc[i]) for i in _type_positions(loc)]
-
-    depth: dict[tuple[Any, ...], int] = {}  # union location -> deepest error under it
+    members = [[(tuple(e["loc"][:i]), e["loc"][i]) for i in _type_positions(e["loc"])] for e in errors]
     reach: dict[tuple[tuple[Any, ...], Any], int] = {}  # member -> its deepest error
-    for e in errors:
-        for m in members(e["loc"]):
-            depth[m[0]] = max(depth.get(m[0], 0), len(e["loc"]))
+    for e, ms in zip(errors, members):
+        for m in ms:
             reach[m] = max(reach.get(m, 0), len(e["loc"]))
-    return [e for e in errors if all(reach[m] == depth[m[0]] for m in members(e["loc"]))]
+    depth: dict[tuple[Any, ...], int] = {}  # union location -> its deepest member's reach
+    for (union, _), r in reach.items():
+        depth[union] = max(depth.get(union, 0), r)
+    return [e for e, ms in zip(errors, members) if all(reach[m] == depth[m[0]] for m in ms)]
 
 
 def describe_validation_errors(errors: Sequence[dict[str, Any]]) -> str:
