@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_avx2.h"
 #include "decode_avx512.h"
 #include "extend_avx512bf16.h"
 
@@ -178,6 +179,14 @@ void attend_item(const AttnItem& it, const AttnShape& s, const T* q, const T* k_
   if (nq == 1 && decode_avx512_fits(G, D, Dv))
     return decode_item(it, s, q + (q_starts[it.req] + i0) * s.q_row_stride, k_buf, v_buf, slots + k_begin,
                        k_end - k_begin, state);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same case on AVX2-only CPUs (decode_avx2.h).
+  if (nq == 1 && decode_avx2_fits(G, D, Dv)) {
+    const KvRowsAvx2<T> kv{k_buf + it.kv_head * D, v_buf + it.kv_head * Dv, s.k_slot_stride, s.v_slot_stride,
+                           slots + k_begin};
+    return decode_item_avx2(q + (q_starts[it.req] + i0) * s.q_row_stride + it.kv_head * G * D, G, D, s.scale, kv,
+                            k_end - k_begin, m, l, acc);
+  }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   // Several queries over a bf16 pool: the dpbf16 tile path (extend_avx512bf16.h).
