@@ -38,6 +38,7 @@ CPU_FUNCTIONS = {
     "rmsnorm": "RMSNorm with an optional fused residual add",
     "rotary": "rotary embedding, NeoX or interleaved, partial rotary_dim",
     "silu_and_mul": "silu(gate) * up",
+    "gguf_gemm": "GEMM of a few rows by GGUF Q4/Q8_0 blocks, dequantized in registers",
 }
 # Explicit -m flags per tier (see CpuInfo.isa). prefer-vector-width=512: gcc otherwise keeps
 # 256-bit vectors on AVX-512 targets, halving the width of the kernels' inner loops.
@@ -313,3 +314,36 @@ def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
         if not t.is_cpu or t.dtype != dtype or grad and t.requires_grad:
             return False
     return can_use_cpu_kernels()
+
+
+GGUF_BLOCK_TYPES = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # name -> (kernel id, bytes a block)
+
+
+def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """y = x @ W^T with W in its GGUF blocks, dequantized in registers (csrc/cpu/gguf_gemm.h).
+
+    Args:
+        x: [M, K] float32 or bfloat16 (rows may be strided, each contiguous); K % 32 == 0.
+        blocks: uint8 [N, K/32 * block bytes], contiguous: row n holds output feature n's
+            blocks exactly as the GGUF file stores them.
+        qtype: "Q4_0", "Q4_1" or "Q8_0".
+    Returns:
+        [M, N] in x's dtype; each weight is gguf's own dequantized value (exact in float32),
+        the sum over K runs in float32.
+    Raises:
+        ValueError: another type, or shapes/dtypes the kernel does not take.
+    """
+    kind, nbytes = GGUF_BLOCK_TYPES.get(qtype, (None, 0))
+    if not (kind is not None and x.dtype in _DTYPES and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+            and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
+            and x.shape[1] % 32 == 0 and blocks.shape[1] == x.shape[1] // 32 * nbytes):
+        _check(kind is not None, f"gguf_gemm takes {sorted(GGUF_BLOCK_TYPES)}, got {qtype}")
+        _check_float(x)
+        _check(x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows")
+        _check(blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous(),
+               "blocks must be a contiguous uint8 [N, bytes]")
+        _check(x.shape[1] % 32 == 0 and blocks.shape[1] == x.shape[1] // 32 * nbytes,
+               f"blocks rows must hold K/32 {qtype} blocks ({nbytes} bytes each) for K = {x.shape[1]}")
+    out = x.new_empty((x.shape[0], blocks.shape[0]))
+    load_cpu_module().gguf_gemm(x, blocks, out, kind, torch.get_num_threads())
+    return out

@@ -67,6 +67,7 @@ def pack_linear_layers(module: nn.Module) -> int:
     return count
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear) -> torch.Tensor:
-    """`F.linear(x, weight)` for a plain weight, or the packed layer's forward."""
-    return weight(x) if isinstance(weight, PackedLinear) else F.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module) -> torch.Tensor:
+    """`F.linear(x, weight)` for a plain weight, or the forward of a module holding the weight
+    in another form (`PackedLinear`, a GGUF block layer)."""
+    return weight(x) if isinstance(weight, nn.Module) else F.linear(x, weight)

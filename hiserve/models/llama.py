@@ -35,7 +35,8 @@ from hiserve.layers.parallel_linear import (
     head_parts,
     load_tp_weight,
 )
-from hiserve.layers.quantization import GGUFInt4Config, GGUFInt4Linear, GGUFQuantizedTensor, make_linear
+from hiserve.layers.quantization import (GGUFBlockLinear, GGUFInt4Config, GGUFInt4Linear, GGUFQuantizedTensor,
+                                         make_linear)
 from hiserve.layers.rotary import RotaryEmbedding
 from hiserve.models.model_config import ModelConfig
 
@@ -181,23 +182,36 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.packed_lm_head: PackedLinear | None = None
+        self.gguf_head: GGUFBlockLinear | None = None
 
     @property
-    def lm_head_weight(self) -> torch.Tensor | PackedLinear:
+    def lm_head_weight(self) -> torch.Tensor | PackedLinear | GGUFBlockLinear:
+        return self.gguf_head if self.gguf_head is not None else self._dense_head_weight
+
+    @property
+    def _dense_head_weight(self) -> torch.Tensor | PackedLinear:
         if self.packed_lm_head is not None:
             return self.packed_lm_head
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def set_gguf_head(self, tensor: GGUFQuantizedTensor) -> None:
+        """After loading: run the LM head's few-row calls on its GGUF blocks (`tensor`, the
+        stored form of the head, or of the embedding when tied); raises ValueError on a type
+        or shape the block kernel does not take."""
+        self.gguf_head = GGUFBlockLinear(tensor, self._dense_head_weight)
+
     def pack_for_cpu(self) -> bool:
         """After loading: prepack every projection (and the LM head) for oneDNN when
         `can_pack_for_cpu` says so; returns whether it did."""
-        weight = self.lm_head_weight
+        weight = self._dense_head_weight
         if not can_pack_for_cpu(weight.device, weight.dtype):
             return False
         pack_linear_layers(self.model)
         self.packed_lm_head = PackedLinear(weight, None)
         if self.lm_head is not None:
             self.lm_head = None  # the packed copy replaces it
+        if self.gguf_head is not None:  # its many-row calls take the packed copy too
+            self.gguf_head.dense_weight = self.packed_lm_head
         return True
 
     @torch.inference_mode()

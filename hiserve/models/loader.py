@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hiserve.layers.quantization import QUANTIZATION_METHODS, GGUFInt4Config, GGUFQuantizedTensor
+from hiserve.layers.quantization import (BLOCK_KERNEL_TYPES, QUANTIZATION_METHODS, GGUFInt4Config,
+                                         GGUFQuantizedTensor)
 from hiserve.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -334,11 +335,30 @@ def load_model(
         keep = frozenset() if quant_config is None else frozenset(quant_config.int4_names)
         model.load_weights(iter_weights(model_path, dtype, keep))
     if quant_config is not None:
+        _attach_gguf_head(model, model_path, quant_config)
         logger.info("Weights: GGUF-native, %s; activations %s", quant_config.describe(), dtype)
     else:
         logger.info("Weights: dequantized to %s%s", dtype, " (GGUF)" if is_gguf(model_path) else "")
     model.eval()
     return model, config
+
+
+def _attach_gguf_head(model: nn.Module, model_path: str, quant_config: GGUFInt4Config) -> None:
+    """Give the model's LM head its GGUF blocks (the head's, or the embedding's when tied) for
+    the JIT block kernel, where the model takes them, the type is one the kernel reads and the
+    CPU kernels build here. Records the head's name in `quant_config.head_name`."""
+    from hiserve.distributed import get_tp_group
+    from hiserve.jit_kernel.cpu import can_use_cpu_kernels
+
+    name = "model.embed_tokens.weight" if getattr(model, "lm_head", True) is None else "lm_head.weight"
+    if (quant_config.tensor_types.get(name) not in BLOCK_KERNEL_TYPES or not hasattr(model, "set_gguf_head")
+            or get_tp_group().size > 1 or not can_use_cpu_kernels()):
+        return
+    reader = _gguf_reader(model_path)
+    t = next(t for t in reader.tensors if gguf_to_hf_name(t.name) == name)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    model.set_gguf_head(_quantized_rows(t, shape, name, 1, 1, permuted=False))
+    quant_config.head_name = name
 
 
 def _gguf_int4_config(model_path: str, cls: type[nn.Module], device: str | torch.device,

@@ -9,7 +9,9 @@
   within the bf16 rounding of d, m + 8d and the output (every layer in bfloat16; the first
   and last in float32, whose layers run the same bf16 kernel on cast activations).
 - Every layer's dense copy (the GEMM taken for many rows, oneDNN-prepacked in bfloat16)
-  equals gguf's dequantization rounded once to the dtype, bit for bit.
+  equals gguf's dequantization rounded once to the dtype, bit for bit; so does the JIT block
+  kernel on the file's own blocks, and the tied LM head's block kernel on the Q8_0 embedding
+  (where the CPU kernels build).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.quantization import GGUFInt4Linear, GGUFQuantizedTensor
 from hiserve.layers.quantization.gguf import dequantize_q4, split_q4_blocks
 from hiserve.models import loader
@@ -146,6 +149,16 @@ def test_every_packed_layer_equals_gguf_dequantize(smollm2_path, group_params, d
             assert excess.max() <= 0, (i, fused, excess.max())
             # The dense copy (large-M GEMM): gguf's values rounded once to the dtype, exactly.
             assert torch.equal(module.effective_dense_weight(), want.to(dtype)), (i, fused)
+            # The JIT block kernel on the file's blocks: gguf's values exactly (float32 math,
+            # the output rounded once to the dtype).
+            if cpu_kernels.can_use_cpu_kernels():
+                module.use_block_kernel(True)
+                assert torch.equal(module.effective_weight(), want.to(dtype)), (i, fused)
             checked += 1
     assert checked == 4 * len(layer_ids)
+    if cpu_kernels.can_use_cpu_kernels():  # the tied head's few-row calls read the Q8_0 embedding blocks
+        head = model.gguf_head
+        assert head is not None and head.qtype == loader.gguf_tensor_types(smollm2_path)["model.embed_tokens.weight"]
+        eye = torch.eye(config.hidden_size, dtype=dtype)
+        assert torch.equal(head._matmul(eye).t(), model.model.embed_tokens.weight), "head != embedding"
     assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())

@@ -18,12 +18,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hiserve.layers.quantization.gguf import GROUP_SIZE, INT4_TYPES, GGUFInt4Linear, GGUFQuantizedTensor
+from hiserve.layers.quantization.gguf import (BLOCK_KERNEL_TYPES, GROUP_SIZE, INT4_TYPES, GGUFBlockLinear,
+                                             GGUFInt4Linear, GGUFQuantizedTensor)
 from hiserve.layers.quantization.int4_dispatch import dense_copy_enabled, setup_int4_dispatch
 
 QUANTIZATION_METHODS = ("gguf", "none")
 
-__all__ = ["QUANTIZATION_METHODS", "GGUFInt4Config", "GGUFInt4Linear", "GGUFQuantizedTensor",
+__all__ = ["BLOCK_KERNEL_TYPES", "QUANTIZATION_METHODS", "GGUFBlockLinear", "GGUFInt4Config", "GGUFInt4Linear",
+           "GGUFQuantizedTensor",
            "make_linear", "setup_int4_dispatch"]
 
 
@@ -35,10 +37,13 @@ class GGUFInt4Config:
         tensor_types: HF parameter name -> GGUF type name, for every tensor of the file.
         int4_names: filled while the model is built: the names whose blocks a
             `GGUFInt4Linear` takes (the loader yields those as `GGUFQuantizedTensor`).
+        head_name: set after loading when the LM head's few-row calls read this tensor's
+            blocks (`GGUFBlockLinear`; the embedding's when the head is tied).
     """
 
     tensor_types: dict[str, str]
     int4_names: set[str] = field(default_factory=set)
+    head_name: str | None = None
 
     def takes(self, names: Sequence[str]) -> bool:
         """True when every shard of one (possibly fused) Linear is Q4_0/Q4_1."""
@@ -49,8 +54,10 @@ class GGUFInt4Config:
         kept = sorted({self.tensor_types[n] for n in self.int4_names})
         dense = sorted({t for n, t in self.tensor_types.items() if n not in self.int4_names and
                         n.endswith(".weight") and not n.endswith("norm.weight")})
+        head = (f"; LM head few-row calls on {self.head_name}'s {self.tensor_types[self.head_name]} blocks"
+                if self.head_name else "")
         return (f"{len(self.int4_names)} tensors ({', '.join(kept) or '-'}) as int4 weight-only GEMM "
-                f"(aten._weight_int4pack_mm_for_cpu, group 32); dequantized: {', '.join(dense) or '-'}")
+                f"(group 32); dequantized: {', '.join(dense) or '-'}{head}")
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

@@ -35,11 +35,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from hiserve.jit_kernel import cpu as cpu_kernels
 from hiserve.layers.linear import PackedLinear, can_pack_for_cpu
 from hiserve.layers.linear import linear as dense_linear
 
 GROUP_SIZE = 32  # values per llama.cpp block, and the kernel's group size
 INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type name -> bytes per 32-value block
+BLOCK_KERNEL_TYPES = {**INT4_TYPES, "Q8_0": 34}  # the types `cpu_kernels.gguf_gemm` reads
 _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
@@ -160,6 +162,11 @@ class GGUFInt4Linear(nn.Module):
         self._zero: torch.Tensor | None = torch.empty(out_features, groups)
         self._dense: torch.Tensor | None = (torch.empty(out_features, in_features, dtype=dtype)
                                             if dense_copy else None)
+        # The file's own blocks for the JIT block kernel (kept while every shard is one type).
+        self._blocks: torch.Tensor | None = None
+        self.gguf_blocks: torch.Tensor | None = None
+        self.qtype: str | None = None
+        self._few_rows: Callable[[torch.Tensor], torch.Tensor] = self._int4_matmul
         self._rows_loaded = 0
 
     def load_rows(self, start: int, tensor: GGUFQuantizedTensor) -> None:
@@ -175,12 +182,23 @@ class GGUFInt4Linear(nn.Module):
             raise ValueError(f"shard {tensor.shape} at row {start} does not fit [{self.out_features}, "
                              f"{self.in_features}]")
         codes, d, m = _q4_fields(tensor.qtype, tensor.data)
+        self._stage_blocks(start, tensor)
         self._codes[start:start + rows] = codes
         self._scale[start:start + rows] = d
         self._zero[start:start + rows] = 0.0 if m is None else m + 8.0 * d  # as split_q4_blocks
         if self._dense is not None:
             self._dense[start:start + rows] = _dequantize_fields(codes, d, m)
         self._rows_loaded += rows
+
+    def _stage_blocks(self, start: int, tensor: GGUFQuantizedTensor) -> None:
+        if self._rows_loaded == 0:
+            self.qtype = tensor.qtype
+            row_bytes = self.in_features // GROUP_SIZE * INT4_TYPES[tensor.qtype]
+            self._blocks = torch.empty(self.out_features, row_bytes, dtype=torch.uint8)
+        if tensor.qtype != self.qtype:  # a fused layer of mixed 4-bit types: int4 kernel only
+            self._blocks, self.qtype = None, None
+        if self._blocks is not None:
+            self._blocks[start:start + tensor.shape[0]] = torch.from_numpy(np.ascontiguousarray(tensor.data))
 
     @property
     def rows_loaded(self) -> int:
@@ -204,7 +222,24 @@ class GGUFInt4Linear(nn.Module):
             else:
                 self.dense_weight = dense
                 self._dense_call = functools.partial(dense_linear, weight=dense)
-        self._codes = self._scale = self._zero = self._dense = None
+        self.gguf_blocks = self._blocks
+        self._codes = self._scale = self._zero = self._dense = self._blocks = None
+
+    def use_block_kernel(self, on: bool) -> None:
+        """Take the JIT block kernel (`on`) or PyTorch's int4 kernel for calls below
+        `dense_from_rows`, and free the other's copy of the weights.
+
+        Raises:
+            ValueError: `on` for a layer without GGUF blocks (mixed shard types).
+        """
+        if on:
+            if self.gguf_blocks is None:
+                raise ValueError("this layer keeps no GGUF blocks (its shards mix types)")
+            self._few_rows = self._block_matmul
+            self.packed_weight = self.scales_and_zeros = self._w4 = self._sz = None
+        else:
+            self._few_rows = self._int4_matmul
+            self.gguf_blocks = None
 
     def drop_dense_copy(self) -> None:
         """Free the dense copy; every call then takes the int4 kernel."""
@@ -216,6 +251,13 @@ class GGUFInt4Linear(nn.Module):
         return y if self._bias is None else y + self._bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-row kernel chosen (`use_block_kernel`; PyTorch's int4 kernel until then)."""
+        return self._few_rows(x)
+
+    def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gguf_gemm(x, self.gguf_blocks, self.qtype)
+
+    def _int4_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             return _INT4_MM(x.contiguous(), self._w4, GROUP_SIZE, self._sz)
         return _INT4_MM(x.to(torch.bfloat16).contiguous(), self._w4, GROUP_SIZE, self._sz).to(x.dtype)
@@ -226,7 +268,7 @@ class GGUFInt4Linear(nn.Module):
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
         """The weight [N, K] the int4 kernel multiplies by (the kernel applied to an identity), in `dtype`."""
-        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed_weight.device)
+        eye = torch.eye(self.in_features, dtype=self.dtype)
         return self._matmul(eye).t().contiguous()
 
     @torch.no_grad()
@@ -244,3 +286,52 @@ class GGUFInt4Linear(nn.Module):
     def extra_repr(self) -> str:
         dense = "" if self.dense_weight is None else f", dense_from_rows={self.dense_from_rows}"
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}{dense}"
+
+
+class GGUFBlockLinear(nn.Module):
+    """y = x @ W^T (no bias) for a weight the GGUF stores in Q4_0/Q4_1/Q8_0 blocks and the model
+    also holds dense: the LM head, whose dense form (for a tied head, the embedding table) the
+    embedding lookup and many-row calls keep using.
+
+    Calls with fewer than `dense_from_rows` rows run the JIT block kernel on the file's blocks
+    (a few rows: the logits of a decode step read 4x fewer bytes from Q8_0 than from float32);
+    the rest the dense weight. The threshold is calibrated at start
+    (`int4_dispatch.setup_int4_dispatch`); until then every call takes the block kernel.
+
+    Args:
+        tensor: the weight's blocks, [N, K] logical, K % 32 == 0.
+        dense: the same weight [N, K] in the model dtype (or its oneDNN-packed form).
+    Forward: x [M, K] float32/bfloat16 -> [M, N] in x's dtype.
+    Raises:
+        ValueError: a type the block kernel does not read, or shapes that disagree.
+    """
+
+    def __init__(self, tensor: GGUFQuantizedTensor, dense: torch.Tensor | PackedLinear):
+        super().__init__()
+        if tensor.qtype not in BLOCK_KERNEL_TYPES:
+            raise ValueError(f"the block kernel reads {sorted(BLOCK_KERNEL_TYPES)}, not {tensor.qtype}")
+        dense_shape = (dense.out_features, dense.in_features) if isinstance(dense, PackedLinear) else tuple(dense.shape)
+        if tuple(tensor.shape) != dense_shape:
+            raise ValueError(f"blocks {tensor.shape} and dense weight {dense_shape} disagree")
+        self.out_features, self.in_features = tensor.shape
+        self.qtype = tensor.qtype
+        self.dtype = dense.packed_weight.dtype if isinstance(dense, PackedLinear) else dense.dtype
+        self.register_buffer("gguf_blocks", torch.from_numpy(np.ascontiguousarray(tensor.data)), persistent=False)
+        self.dense_weight = dense
+        self.dense_from_rows = sys.maxsize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gguf_gemm(x, self.gguf_blocks, self.qtype)
+
+    def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.dense_weight)
+
+    def drop_dense_copy(self) -> None:
+        """The dense weight is the model's own (shared): only stop calling it."""
+        self.dense_from_rows = sys.maxsize
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

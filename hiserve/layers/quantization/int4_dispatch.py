@@ -25,6 +25,20 @@ first (a loaded machine: one start took 2.6 s), the rows not yet tried take the 
 int4 was measured better only up to the last M tried, and at prefill sizes the dense GEMM won on
 every CPU measured (2.7x at 256 rows on the EPYC), so giving it up unmeasured would cost far more.
 HISERVE_GGUF_DENSE_COPY=0 keeps no dense copy at all (int4 only; saves N*K*2 bytes a layer).
+
+Which few-row kernel: where the JIT CPU kernels build, a layer can also run the JIT block
+kernel on the file's own blocks (`cpu_kernels.gguf_gemm`, float32 math) instead of PyTorch's
+int4 kernel (bf16 math, x cast in and out in a float32 model). Per shape both are timed at one
+row (decode) and the faster one kept, the other's copy freed: on an AVX2-only EPYC the block
+kernel took 46-147 us against 61-184 us for the four SmolLM2 shapes. The LM head
+(`GGUFBlockLinear`, Q8_0 blocks of the tied embedding) gets the same crossover search against
+its dense weight (one row: 3.0 ms against 14.7 ms for float32 on that CPU).
+
+Timing a layer's own weights call after call would measure them hot in the cache, which a
+decode step never sees (it streams every layer's weights once: 100+ MB for SmolLM2). So each
+sample calls the layers of one shape in turn (30 of each shape in SmolLM2), and a weight is
+read again only after the shape's other layers were: a dense float32 copy measured hot took
+83 us a row where cold it took 294 us, and picked dense from 1 row where it lost up to 16.
 """
 
 from __future__ import annotations
@@ -32,14 +46,16 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from hiserve.layers.quantization.gguf import GGUFInt4Linear
+from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.quantization.gguf import GGUFBlockLinear, GGUFInt4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +73,10 @@ class DispatchReport:
 
     Attributes:
         crossover: (N, K) -> first row count that takes the dense GEMM, or None (int4 always).
-        timings_us: (N, K) -> [(M, int4 median us, dense median us)] as measured.
+        timings_us: (N, K) -> [(M, few-row kernel median us, dense median us)] as measured.
+        block_kernel: (N, K) -> (block kernel chosen, its us, PyTorch int4 us) at one row, for
+            the shapes where both could run.
+        head: (crossover, timings) of the LM head's `GGUFBlockLinear`, or None.
         layers: GGUF int4 layers seen.
         dense_bytes: bytes of the dense copies kept.
         int4_bytes: bytes of the int4 codes plus scales and zeros.
@@ -66,6 +85,8 @@ class DispatchReport:
 
     crossover: dict[tuple[int, int], int | None] = field(default_factory=dict)
     timings_us: dict[tuple[int, int], list[tuple[int, float, float]]] = field(default_factory=dict)
+    block_kernel: dict[tuple[int, int], tuple[bool, float, float]] = field(default_factory=dict)
+    head: tuple[int | None, list[tuple[int, float, float]]] | None = None
     layers: int = 0
     dense_bytes: int = 0
     int4_bytes: int = 0
@@ -73,55 +94,83 @@ class DispatchReport:
 
     def describe(self) -> str:
         """One log line."""
-        shapes = ", ".join(f"{n}x{k}: " + (f"dense from {m} rows" if m else "int4 always")
+        def few(shape: tuple[int, int]) -> str:
+            chosen = self.block_kernel.get(shape)
+            if chosen is None:
+                return "int4 kernel"
+            return (f"{'block' if chosen[0] else 'int4'} kernel (1 row: block {chosen[1]:.0f} us, "
+                    f"int4 {chosen[2]:.0f} us)")
+
+        shapes = "; ".join(f"{n}x{k}: {few((n, k))}" + (f", dense from {m} rows" if m else "")
                            for (n, k), m in sorted(self.crossover.items()))
-        return (f"GGUF int4 GEMM dispatch over {self.layers} layers, calibrated in {self.seconds * 1e3:.0f} ms "
-                f"on {torch.get_num_threads()} threads: {shapes or 'no dense copies'}; weights int4 "
+        head = "" if self.head is None else (
+            f"; LM head: block kernel" + (f", dense from {self.head[0]} rows" if self.head[0] else ""))
+        return (f"GGUF GEMM dispatch over {self.layers} layers, calibrated in {self.seconds * 1e3:.0f} ms "
+                f"on {torch.get_num_threads()} threads: {shapes}{head}; weights 4-bit "
                 f"{self.int4_bytes / 2**20:.0f} MiB + dense {self.dense_bytes / 2**20:.0f} MiB")
 
 
-def _samples_us(fn: Callable[[], object], reps: int, inner: int) -> list[float]:
-    samples = []
-    for _ in range(reps):
+class _Rotation:
+    """Calls one kernel on each of a shape's layers in turn, so a weight is cold when read."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.layers, self.next = list(layers), 0
+
+    def call(self, kernel: str, x: torch.Tensor) -> None:
+        layer = self.layers[self.next % len(self.layers)]
+        self.next += 1
+        getattr(layer, kernel)(x)
+
+    def samples_us(self, kernel: str, x: torch.Tensor, inner: int) -> float:
         start = time.perf_counter()
         for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner * 1e6)
-    return samples
+            self.call(kernel, x)
+        return (time.perf_counter() - start) / inner * 1e6
+
+
+def _medians_us(rot: _Rotation, kernels: tuple[str, str], x: torch.Tensor, reps: int,
+                inner: int) -> tuple[float, float]:
+    """Median us per call of two kernels, timed interleaved (load on the machine hits both
+    alike) after one warm-up call each (oneDNN builds its primitive there)."""
+    for k in kernels:
+        rot.call(k, x)
+    a_s: list[float] = []
+    b_s: list[float] = []
+    for _ in range(reps):
+        a_s.append(rot.samples_us(kernels[0], x, inner))
+        b_s.append(rot.samples_us(kernels[1], x, inner))
+    return statistics.median(a_s), statistics.median(b_s)
 
 
 @torch.inference_mode()
-def calibrate_crossover(layer: GGUFInt4Linear, rows: tuple[int, ...] = CALIBRATION_ROWS, reps: int = 5,
-                        inner: int = 3, deadline: float | None = None
+def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int, ...] = CALIBRATION_ROWS,
+                        reps: int = 5, inner: int = 3, deadline: float | None = None
                         ) -> tuple[int | None, list[tuple[int, float, float]]]:
-    """Time the int4 kernel against the dense copy of `layer` at growing row counts.
+    """Time a layer's few-row kernel (`_matmul`) against its dense weight at growing row counts.
 
     Args:
-        layer: a finalized `GGUFInt4Linear` with a dense copy.
+        layer: a finalized `GGUFInt4Linear` / `GGUFBlockLinear` with a dense weight, or several
+            of one shape (each call then takes the next in turn, so weights are read cold).
         rows: row counts M to try, ascending.
         reps, inner: samples per kernel and M, calls per sample (medians over samples).
         deadline: `time.perf_counter()` value after which no further M is tried.
     Returns:
         (the first M where dense is faster at M and the next M, or the last M tried if dense
         is faster there; the next untried M when `deadline` stopped the search first; None when
-        int4 is never beaten twice in a row), [(M, int4 us, dense us)].
+        the few-row kernel is never beaten twice in a row), [(M, few-row us, dense us)].
     Raises:
-        ValueError: the layer has no dense copy.
+        ValueError: a layer without a dense weight.
     """
-    if layer.dense_weight is None:
-        raise ValueError("calibrate_crossover needs a layer with a dense copy")
+    layers = [layer] if isinstance(layer, nn.Module) else list(layer)
+    if any(getattr(m, "dense_weight", None) is None for m in layers):
+        raise ValueError("calibrate_crossover needs layers with a dense copy")
+    rot = _Rotation(layers)
     timings: list[tuple[int, float, float]] = []
     gen = torch.Generator().manual_seed(0)
     candidate: int | None = None
     for i, m in enumerate(rows):
-        x = torch.randn(m, layer.in_features, generator=gen).to(layer.dtype)
-        layer._matmul(x), layer._dense_matmul(x)  # warm-up: oneDNN builds its primitive here
-        a_s: list[float] = []
-        b_s: list[float] = []
-        for _ in range(reps):  # interleaved, so load on the machine hits both alike
-            a_s += _samples_us(lambda: layer._matmul(x), 1, inner)
-            b_s += _samples_us(lambda: layer._dense_matmul(x), 1, inner)
-        a, b = statistics.median(a_s), statistics.median(b_s)
+        x = torch.randn(m, layers[0].in_features, generator=gen).to(layers[0].dtype)
+        a, b = _medians_us(rot, ("_matmul", "_dense_matmul"), x, reps, inner)
         timings.append((m, a, b))
         if b < a:
             if candidate is not None:
@@ -134,6 +183,24 @@ def calibrate_crossover(layer: GGUFInt4Linear, rows: tuple[int, ...] = CALIBRATI
     return candidate, timings
 
 
+@torch.inference_mode()
+def choose_few_row_kernel(layers: Sequence[GGUFInt4Linear], reps: int = 5, inner: int = 4
+                          ) -> tuple[bool, float, float]:
+    """Time the JIT block kernel against PyTorch's int4 kernel at one row over `layers` (one
+    shape, each call on the next layer) and switch every layer to the faster, freeing the
+    other's weights. Returns (block kernel chosen, block us, int4 us).
+
+    Raises:
+        ValueError: a layer without GGUF blocks.
+    """
+    rot = _Rotation(layers)
+    x = torch.randn(1, layers[0].in_features, generator=torch.Generator().manual_seed(0)).to(layers[0].dtype)
+    block_us, int4_us = _medians_us(rot, ("_block_matmul", "_int4_matmul"), x, reps, inner)
+    for layer in layers:
+        layer.use_block_kernel(block_us <= int4_us)
+    return block_us <= int4_us, block_us, int4_us
+
+
 def _bytes(t: torch.Tensor | nn.Module | None) -> int:
     if t is None:
         return 0
@@ -142,34 +209,51 @@ def _bytes(t: torch.Tensor | nn.Module | None) -> int:
     return t.numel() * t.element_size()
 
 
-def setup_int4_dispatch(model: nn.Module, budget_s: float = 2.0) -> DispatchReport | None:
-    """Calibrate the int4/dense crossover once per distinct layer shape of `model`, set
-    `dense_from_rows` on every `GGUFInt4Linear`, free dense copies never used, log once.
+def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadline: float) -> None:
+    """Few-row kernel, then its crossover with the dense copy, for the layers of one shape."""
+    shape = (layers[0].out_features, layers[0].in_features)
+    if all(m.gguf_blocks is not None for m in layers) and cpu_kernels.can_use_cpu_kernels():
+        report.block_kernel[shape] = choose_few_row_kernel(layers)
+    crossover = None
+    if all(m.dense_weight is not None for m in layers):
+        crossover, report.timings_us[shape] = calibrate_crossover(layers, deadline=deadline)
+    report.crossover[shape] = crossover
+    for layer in layers:
+        if crossover is None:
+            layer.drop_dense_copy()
+        else:
+            layer.dense_from_rows = crossover
+        report.dense_bytes += _bytes(layer.dense_weight)
+        report.int4_bytes += _bytes(layer.packed_weight) + _bytes(layer.scales_and_zeros) + _bytes(layer.gguf_blocks)
+
+
+def setup_int4_dispatch(model: nn.Module, budget_s: float = 4.0) -> DispatchReport | None:
+    """Per distinct shape of `model`'s GGUF int4 layers: pick the few-row kernel (block or
+    int4), calibrate its crossover with the dense copy, set `dense_from_rows` on every layer
+    and free what is never used; the same crossover for the LM head's block kernel. Logs once.
 
     Args:
         model: a loaded model (its GGUF int4 layers finalized).
         budget_s: wall-time bound on the whole calibration (large models: the last shapes
             then search fewer row counts).
     Returns:
-        The report, or None when the model has no GGUF int4 layer.
+        The report, or None when the model has no GGUF layer.
     """
     layers = [m for m in model.modules() if isinstance(m, GGUFInt4Linear)]
-    if not layers:
+    heads = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
+    if not layers and not heads:
         return None
     report = DispatchReport(layers=len(layers))
     start = time.perf_counter()
     deadline = start + budget_s
+    shapes: dict[tuple[int, int], list[GGUFInt4Linear]] = {}
     for layer in layers:
-        shape = (layer.out_features, layer.in_features)
-        if layer.dense_weight is not None and shape not in report.crossover:
-            report.crossover[shape], report.timings_us[shape] = calibrate_crossover(layer, deadline=deadline)
-        m = report.crossover.get(shape)
-        if m is None:
-            layer.drop_dense_copy()
-        else:
-            layer.dense_from_rows = m
-        report.dense_bytes += _bytes(layer.dense_weight)
-        report.int4_bytes += _bytes(layer.packed_weight) + _bytes(layer.scales_and_zeros)
+        shapes.setdefault((layer.out_features, layer.in_features), []).append(layer)
+    for group in shapes.values():
+        _calibrate_shape(group, report, deadline)
+    for head in heads:  # one weight, far larger than any cache: timed alone it is cold already
+        report.head = calibrate_crossover(head, reps=3, inner=1, deadline=deadline)
+        head.dense_from_rows = report.head[0] if report.head[0] is not None else sys.maxsize
     report.seconds = time.perf_counter() - start
     logger.info("%s", report.describe())
     return report

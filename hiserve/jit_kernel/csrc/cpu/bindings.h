@@ -7,6 +7,7 @@
 #include <tvm/ffi/container/tensor.h>
 
 #include "elementwise.h"
+#include "gguf_gemm.h"
 #include "paged_attention.h"
 
 namespace hiserve {
@@ -183,4 +184,33 @@ void silu_and_mul(tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t num_
     silu_and_mul<bf16>(ptr<bf16>(x), x.stride(0), ptr<bf16>(out), T, I, nt);
   else
     silu_and_mul<float>(ptr<float>(x), x.stride(0), ptr<float>(out), T, I, nt);
+}
+
+// x [M, K] (row stride free) float32 or bf16; w uint8 [N, K/32 * block bytes]: each row the
+// GGUF blocks of one output feature (block_type 0: Q4_0, 1: Q4_1, 2: Q8_0; gguf_gemm.h);
+// out [M, N] in x's dtype, contiguous.
+void gguf_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView out, int64_t block_type,
+               int64_t num_threads) {
+  using namespace hiserve::cpu;
+  const bool bf = is_bf16(x);
+  same_dtype(x, out, "out");
+  require_inner_contiguous(x, "x");
+  require(block_type >= 0 && block_type <= 2, "block_type must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  const BlockType B = static_cast<BlockType>(block_type);
+  require(w.IsContiguous() && out.IsContiguous() && w.dtype().bits == 8 && w.ndim() == 2,
+          "w must be a contiguous 8-bit [N, bytes] tensor and out contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  require(K % kBlock == 0 && w.size(1) == K / kBlock * block_bytes(B), "w rows must hold K/32 blocks of x's K");
+  require(out.size(0) == M && out.size(1) == N, "out must be [M, N]");
+  const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
+  const uint8_t* wp = ptr<uint8_t>(w);
+  if (bf) {
+    if (B == BlockType::kQ4_0) gguf_gemm<bf16, BlockType::kQ4_0>(ptr<bf16>(x), x.stride(0), wp, ptr<bf16>(out), M, N, K, nt);
+    if (B == BlockType::kQ4_1) gguf_gemm<bf16, BlockType::kQ4_1>(ptr<bf16>(x), x.stride(0), wp, ptr<bf16>(out), M, N, K, nt);
+    if (B == BlockType::kQ8_0) gguf_gemm<bf16, BlockType::kQ8_0>(ptr<bf16>(x), x.stride(0), wp, ptr<bf16>(out), M, N, K, nt);
+  } else {
+    if (B == BlockType::kQ4_0) gguf_gemm<float, BlockType::kQ4_0>(ptr<float>(x), x.stride(0), wp, ptr<float>(out), M, N, K, nt);
+    if (B == BlockType::kQ4_1) gguf_gemm<float, BlockType::kQ4_1>(ptr<float>(x), x.stride(0), wp, ptr<float>(out), M, N, K, nt);
+    if (B == BlockType::kQ8_0) gguf_gemm<float, BlockType::kQ8_0>(ptr<float>(x), x.stride(0), wp, ptr<float>(out), M, N, K, nt);
+  }
 }

@@ -3,6 +3,10 @@
 // hiserve/jit_kernel/cpu.py picked from the CPU's features (-mavx512f..., -mavx2, or baseline).
 #pragma once
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -80,6 +84,15 @@ inline float fast_exp(float x) {
 // at::parallel_for does below its grain size: a parallel region costs microseconds and
 // waits for every thread, which a decode step's many small ops cannot repay.
 constexpr int64_t kGrainSize = 32768;
+
+#ifdef __AVX2__
+// Sum of the 8 lanes.
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 inline void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("hiserve cpu kernel: " + what);
