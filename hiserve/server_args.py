@@ -54,9 +54,10 @@ class ServerArgs:
         choices=("auto", "float32", "bfloat16", "float16"))
     quantization: Optional[str] = _arg(
         None, "Weight format. 'gguf': a GGUF file served in its own format: its Q4_0/Q4_1 projections "
-        "run as int4 weight-only GEMM (PyTorch's CPU int4 kernel, group 32, computing in bfloat16; "
-        "float32 activations are cast), other GGUF types (the Q8_0/Q6_K/F16 embedding or head) "
-        "dequantized to --dtype; CPU only. 'none': every tensor dequantized to --dtype. Default: gguf "
+        "run as 4-bit weight-only GEMM (per layer shape, whichever was faster at start: PyTorch's CPU "
+        "int4 kernel, computing in bfloat16, or hiserve's kernel on the file's own blocks, computing "
+        "in float32), other GGUF types dequantized to --dtype (a Q4/Q8_0 LM head or tied embedding "
+        "also keeps its blocks for the logits of a few rows); CPU only. 'none': every tensor dequantized to --dtype. Default: gguf "
         "for a GGUF model on the CPU unless --dtype float32 is given (the reference dtype, kept "
         "bit-comparable with transformers; float32 chosen by --dtype auto keeps gguf) or "
         "--load-format dummy; none otherwise (CUDA, HF folders).",

@@ -32,8 +32,7 @@ import torch
 
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch, ForwardMode
-from hiserve.layers.linear import PackedLinear
-from hiserve.layers.quantization import GGUFInt4Linear, setup_int4_dispatch
+from hiserve.layers.quantization import setup_int4_dispatch
 from hiserve.mem_cache.allocator import ReqToTokenPool, TokenToKVPoolAllocator
 from hiserve.mem_cache.memory_pool import MHATokenToKVPool
 from hiserve.models import loader
@@ -171,8 +170,7 @@ def bench_gemms(models: dict, ms: list[int], repeats: int) -> list[dict]:
             with torch.inference_mode():
                 for n, (_, _, dtype) in models.items():
                     mod = heads[n] if proj == "lm_head" else layer_of[n].get_submodule(proj)
-                    k = mod.in_features if isinstance(mod, (GGUFInt4Linear, PackedLinear, torch.nn.Linear)) \
-                        else mod.shape[1]
+                    k = mod.in_features if isinstance(mod, torch.nn.Module) else mod.shape[1]
                     x = torch.randn(m, k, dtype=dtype)
                     fn = (lambda mod=mod, x=x: mod(x)) if isinstance(mod, torch.nn.Module) else \
                         (lambda w=mod, x=x: torch.nn.functional.linear(x, w))

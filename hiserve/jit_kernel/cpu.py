@@ -316,7 +316,9 @@ def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
     return can_use_cpu_kernels()
 
 
-GGUF_BLOCK_TYPES = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # name -> (kernel id, bytes a block)
+# GGUF type name -> (the kernel's block_type id, bytes a 32-weight block: ggml-common.h's sizes,
+# which gguf_gemm.h's block_bytes repeats and hiserve.layers.quantization.gguf reads from here)
+GGUF_BLOCK_TYPES = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
 
 
 def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -335,13 +337,13 @@ def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor
     """
     kind, nbytes = GGUF_BLOCK_TYPES.get(qtype, (None, 0))
     if not (kind is not None and x.dtype in _DTYPES and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
-            and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
+            and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous() and blocks.is_cpu
             and x.shape[1] % 32 == 0 and blocks.shape[1] == x.shape[1] // 32 * nbytes):
         _check(kind is not None, f"gguf_gemm takes {sorted(GGUF_BLOCK_TYPES)}, got {qtype}")
         _check_float(x)
         _check(x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows")
-        _check(blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous(),
-               "blocks must be a contiguous uint8 [N, bytes]")
+        _check(blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous() and blocks.is_cpu,
+               "blocks must be a contiguous uint8 CPU tensor [N, bytes]")
         _check(x.shape[1] % 32 == 0 and blocks.shape[1] == x.shape[1] // 32 * nbytes,
                f"blocks rows must hold K/32 {qtype} blocks ({nbytes} bytes each) for K = {x.shape[1]}")
     out = x.new_empty((x.shape[0], blocks.shape[0]))

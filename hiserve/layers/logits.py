@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from hiserve.layers.forward_batch import ForwardBatch
-from hiserve.layers.linear import PackedLinear, linear
+from hiserve.layers.linear import linear
 from hiserve.layers.parallel_linear import gather_vocab_logits
 
 
 class LogitsProcessor(nn.Module):
-    """Keeps the last new token of each request and applies the LM head.
+    """Keeps the last new token of each request and applies the LM head (a weight, or a module
+    holding it in another form: `PackedLinear`, `GGUFBlockLinear`).
 
     hidden_states: [T, H] (already final-normed); returns float32 [B, vocab].
 
@@ -28,7 +29,7 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor | PackedLinear,
+        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor | nn.Module,
         forward_batch: ForwardBatch
     ) -> torch.Tensor:
         rows = forward_batch.input_logprob_rows

@@ -350,7 +350,9 @@ def _attach_gguf_head(model: nn.Module, model_path: str, quant_config: GGUFInt4C
     from hiserve.distributed import get_tp_group
     from hiserve.jit_kernel.cpu import can_use_cpu_kernels
 
-    name = "model.embed_tokens.weight" if getattr(model, "lm_head", True) is None else "lm_head.weight"
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    # TP > 1 splits the head over ranks (VocabParallelEmbedding); the kernel takes a whole one.
     if (quant_config.tensor_types.get(name) not in BLOCK_KERNEL_TYPES or not hasattr(model, "set_gguf_head")
             or get_tp_group().size > 1 or not can_use_cpu_kernels()):
         return

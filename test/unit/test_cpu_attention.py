@@ -140,17 +140,19 @@ def test_kernel_rejects_inconsistent_lengths():
             cpu_kernels.paged_attention(q, k, k, r2t, idx, lens, st, 2, 1.0)
 
 
-# Key counts at the kernel's edges: one key, a 16-key block +-1, a 64-key tile +-1, several tiles.
-EDGE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 300]
+# Key counts at the kernels' edges: one key, an 8-key (AVX2) and a 16-key (AVX-512) block +-1,
+# a 64-key tile +-1, several tiles.
+EDGE_CONTEXTS = [1, 7, 9, 15, 16, 17, 63, 64, 65, 300]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 80, 128, 256])
 def test_decode_kernel_head_dims_groups_and_tile_edges(dtype, group, head_dim):
-    """The AVX-512 DECODE item against a float64 reference: every group size it is
-    instantiated for, head dims with a half unit of 32 (16, 48, 80: masked loads) and
-    without, and contexts at the 16-key block and 64-key tile edges."""
+    """This CPU's DECODE item (AVX-512 or AVX2) against a float64 reference: every group size
+    it is instantiated for, head dims with a half unit of 32 (16, 48, 80: masked loads on
+    AVX-512, a last 8-wide chunk on AVX2) and without, and contexts at the 8/16-key block and
+    64-key tile edges."""
     q, k, v, r2t, idx, lens, starts, hq = decode_inputs(dtype, group=group, head_dim=head_dim,
                                                         contexts=EDGE_CONTEXTS)
     scale = head_dim ** -0.5
@@ -162,8 +164,9 @@ def test_decode_kernel_head_dims_groups_and_tile_edges(dtype, group, head_dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_every_isa_tier(isa, dtype):
     """Every tier this CPU runs has its own DECODE code: avx512_bf16 scores bf16 keys with
-    _mm512_dpbf16_ps, avx512 with fp32 FMAs, avx2 and baseline take the portable loop. Each
-    is built (cached after the first run) and checked against the float64 reference, per
+    _mm512_dpbf16_ps, avx512 with fp32 FMAs, avx2 with its 8-wide item (decode_avx2.h),
+    baseline the portable loop. Each is built (cached after the first run) and checked
+    against the float64 reference, per
     request, on one and two threads (two threads and a lone 4096-key request: the
     flash-decoding split and its merge)."""
     mod = cpu_kernels.load_cpu_module(isa)

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -29,8 +27,15 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="JIT CPU kernels do not build here")
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    """In the test, not at collection: building the module there would cost every run that
+    deselects these tests (e.g. `-m cuda` on a GPU host) a compile."""
+    if not cpu_kernels.can_use_cpu_kernels():
+        pytest.skip("JIT CPU kernels do not build here")
 
 
 def _tensor(qtype: str, n: int, k: int, seed: int = 0) -> tuple[GGUFQuantizedTensor, torch.Tensor]:
@@ -105,7 +110,7 @@ def test_int4_layer_switches_to_the_block_kernel():
     torch.testing.assert_close(layer(x), x @ ref.t(), rtol=1e-5, atol=1e-4)
     mixed, _ = _int4_layer(("Q4_0", "Q4_1"))  # one kernel call cannot read two block types
     assert mixed.gguf_blocks is None
-    with pytest.raises(ValueError, match="mix types"):
+    with pytest.raises(ValueError, match="mixed types"):
         mixed.use_block_kernel(True)
     kept, _ = _int4_layer()
     kept.use_block_kernel(False)
@@ -135,7 +140,7 @@ def test_block_linear_dispatches_by_rows():
 
 def test_setup_picks_one_few_row_kernel_per_shape_and_calibrates_the_head(monkeypatch):
     layers = [_int4_layer(n=64, k=96)[0] for _ in range(3)] + [_int4_layer(n=32, k=64)[0]]
-    head = GGUFBlockLinear(*(lambda t, r: (t, r))(*_tensor("Q8_0", 128, 96)))
+    head = GGUFBlockLinear(*_tensor("Q8_0", 128, 96))
     model = nn.ModuleList([*layers, head])
     report = setup_int4_dispatch(model)
     assert set(report.block_kernel) == {(64, 96), (32, 64)}
@@ -146,11 +151,60 @@ def test_setup_picks_one_few_row_kernel_per_shape_and_calibrates_the_head(monkey
                 assert (layer.gguf_blocks is not None) == chosen and (layer.packed_weight is None) == chosen
     assert report.head is not None
     crossover, timings = report.head
-    assert timings and head.dense_from_rows == (crossover if crossover is not None else sys.maxsize)
-    assert "LM head: block kernel" in report.describe()
+    if crossover == 1:  # dense won at one row: the blocks are freed
+        assert head.gguf_blocks is None and head.dense_from_rows == 0
+    else:  # rows past the last timed take the dense weight
+        assert timings and head.dense_from_rows == (crossover if crossover is not None else 65)
+    assert "LM head: " in report.describe()
     # Forced choices: each kernel wins once.
     for block_wins in (True, False):
         group = [_int4_layer()[0] for _ in range(2)]
         monkeypatch.setattr(int4_dispatch, "_medians_us", lambda *a, **k: (1.0, 2.0) if block_wins else (2.0, 1.0))
         assert int4_dispatch.choose_few_row_kernel(group)[0] is block_wins
         assert all((m.gguf_blocks is not None) == block_wins for m in group)
+
+
+def test_head_whose_dense_weight_wins_at_one_row_frees_its_blocks(monkeypatch):
+    head = GGUFBlockLinear(*_tensor("Q8_0", 64, 96))
+    monkeypatch.setattr(int4_dispatch, "_medians_us", lambda *a, **k: (2.0, 1.0))  # dense always faster
+    report = setup_int4_dispatch(nn.ModuleList([head]))
+    assert report.head[0] == 1 and head.gguf_blocks is None and head.dense_from_rows == 0
+    assert "LM head: dense" in report.describe()
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(head(x), x @ head.dense_weight.t())
+
+
+def test_without_cpu_kernels_no_blocks_are_kept(monkeypatch):
+    """Where the kernels cannot build, no layer stages the file's blocks (no second copy)."""
+    monkeypatch.setattr(cpu_kernels, "can_use_cpu_kernels", lambda: False)
+    layer, ref = _int4_layer()
+    assert layer.gguf_blocks is None
+    report = setup_int4_dispatch(nn.ModuleList([layer]))
+    assert report.block_kernel == {} and layer.gguf_blocks is None and layer.packed_weight is not None
+
+
+def test_use_block_kernel_refuses_what_it_cannot_do():
+    layer = GGUFInt4Linear(96, 64, bias=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match="before finalize"):
+        layer.use_block_kernel(True)
+    layer, _ = _int4_layer()
+    layer.use_block_kernel(True)
+    with pytest.raises(ValueError, match="int4 copy was freed"):
+        layer.use_block_kernel(False)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+def test_special_fp16_scales_on_every_tier(isa):
+    """Scales gguf's quantizer rarely writes: subnormal, -0, the largest fp16 (65504), negative:
+    the portable tier's bit-level fp16 conversion and F16C's agree with gguf's dequantizer."""
+    scales = np.array([2.0**-24, 3 * 2.0**-20, -0.0, 65504.0, -0.5, 1.0], dtype=np.float16)
+    rng = np.random.default_rng(3)
+    for qtype, size in (("Q4_0", 18), ("Q4_1", 20), ("Q8_0", 34)):
+        raw = rng.integers(0, 256, size=(len(scales), 2, size), dtype=np.uint8)
+        raw[:, :, 0:2] = scales.view(np.uint8).reshape(-1, 1, 2)
+        if qtype == "Q4_1":
+            raw[:, :, 2:4] = np.array([-0.25], dtype=np.float16).view(np.uint8).reshape(1, 1, 2)
+        data = raw.reshape(len(scales), -1)
+        ref = torch.from_numpy(np.array(dequantize(data, GGMLQuantizationType[qtype]))).reshape(len(scales), 64)
+        got = _run(cpu_kernels.load_cpu_module(isa), torch.eye(64), torch.from_numpy(data), qtype).t()
+        assert torch.equal(got, ref), (isa, qtype)

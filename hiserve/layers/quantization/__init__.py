@@ -1,9 +1,12 @@
 """Weight quantization methods (`--quantization`), named as SGLang names them.
 
 - `gguf`: a GGUF checkpoint served in its own format on the CPU: every Linear whose GGUF
-  tensors are all Q4_0/Q4_1 runs as int4 weight-only GEMM (`gguf.GGUFInt4Linear`); tensors
-  of other GGUF types (Q8_0/Q6_K/F16 embeddings, heads, or a mixed fused layer) are
-  dequantized to the model dtype and take the dense path.
+  tensors are all Q4_0/Q4_1 is a `gguf.GGUFInt4Linear`, whose few-row calls (decode) run
+  either PyTorch's int4 weight-only GEMM or the JIT block kernel on the file's own blocks
+  (`cpu_kernels.gguf_gemm`), whichever was faster at start for that shape. Tensors of other
+  GGUF types (Q8_0/Q6_K/F16 embeddings, heads, or a mixed fused layer) are dequantized to the
+  model dtype; an LM head (or tied embedding) in Q4_0/Q4_1/Q8_0 also keeps its blocks for the
+  block kernel's few-row calls (`gguf.GGUFBlockLinear`).
   Each such layer also keeps a dense copy of the same dequantized weights for calls with many
   rows (prefill, batched decode), where that GEMM is faster; the row count where it takes
   over is calibrated at start (`int4_dispatch`).
@@ -56,8 +59,8 @@ class GGUFInt4Config:
                         n.endswith(".weight") and not n.endswith("norm.weight")})
         head = (f"; LM head few-row calls on {self.head_name}'s {self.tensor_types[self.head_name]} blocks"
                 if self.head_name else "")
-        return (f"{len(self.int4_names)} tensors ({', '.join(kept) or '-'}) as int4 weight-only GEMM "
-                f"(group 32); dequantized: {', '.join(dense) or '-'}{head}")
+        return (f"{len(self.int4_names)} tensors ({', '.join(kept) or '-'}) as 4-bit weight-only GEMM "
+                f"(int4 or block kernel, chosen at start); dequantized: {', '.join(dense) or '-'}{head}")
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

@@ -1,4 +1,4 @@
-"""GGUF-native weights on the CPU: llama.cpp's 4-bit block types served as int4 weight-only GEMM.
+"""GGUF-native weights on the CPU: llama.cpp's 4-bit block types served as 4-bit weight-only GEMM.
 
 llama.cpp's Q4_0 and Q4_1 store a weight matrix row by row in blocks of 32 values along
 the input dimension (ggml-common.h / gguf-py `gguf/quants.py`):
@@ -17,6 +17,13 @@ the bf16 rounding of d and m + 8d: it always runs on bfloat16 activations and sc
 a float32 model (which casts x in and y out), because its float32 instantiation is scalar
 code: 1.2 ms against 0.10 ms in bf16 for one row of a 576 -> 1536 layer, 26x slower at 200
 rows, on an AVX2 EPYC (the fast tiles are written for bf16/fp16 inputs).
+
+Where the JIT CPU kernels build, a layer also keeps the file's blocks as they are (5 bits a
+weight for Q4_1) for `cpu_kernels.gguf_gemm`, which forms each weight exactly as gguf's
+dequantizer does and sums in float32 for either activation dtype; `int4_dispatch` times it
+against PyTorch's int4 kernel per shape at start and frees the loser's copy
+(`use_block_kernel`). `GGUFBlockLinear` runs the same kernel for the LM head's few-row calls
+on its Q4/Q8_0 blocks (for SmolLM2, the tied Q8_0 embedding).
 
 The layer's optional dense copy (for calls with many rows, see `int4_dispatch.py`) is gguf's
 own dequantization (`dequantize_q4`, bit-equal to gguf-py's) rounded once to the model dtype
@@ -41,7 +48,7 @@ from hiserve.layers.linear import linear as dense_linear
 
 GROUP_SIZE = 32  # values per llama.cpp block, and the kernel's group size
 INT4_TYPES = {"Q4_0": 18, "Q4_1": 20}  # GGUF type name -> bytes per 32-value block
-BLOCK_KERNEL_TYPES = {**INT4_TYPES, "Q8_0": 34}  # the types `cpu_kernels.gguf_gemm` reads
+BLOCK_KERNEL_TYPES = {name: size for name, (_, size) in cpu_kernels.GGUF_BLOCK_TYPES.items()}  # gguf_gemm reads
 _INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
@@ -124,6 +131,9 @@ class GGUFInt4Linear(nn.Module):
     oneDNN has a bf16 path, as the dequantized path's GEMM), and `forward` takes it when x has
     at least `dense_from_rows` rows. That threshold is set per machine after loading
     (`int4_dispatch.setup_int4_dispatch`); until then every call takes the int4 kernel.
+    The layer also keeps the file's blocks (`gguf_blocks`, while all shards share one type)
+    until the same set-up picks the few-row kernel: `use_block_kernel(True)` then runs
+    `cpu_kernels.gguf_gemm` on them and frees the int4 copy, `False` frees the blocks.
 
     Filled shard by shard (`load_rows`, e.g. q, k and v into one fused qkv_proj), then
     `finalize()` packs once; nothing is re-created per call.
@@ -162,11 +172,13 @@ class GGUFInt4Linear(nn.Module):
         self._zero: torch.Tensor | None = torch.empty(out_features, groups)
         self._dense: torch.Tensor | None = (torch.empty(out_features, in_features, dtype=dtype)
                                             if dense_copy else None)
-        # The file's own blocks for the JIT block kernel (kept while every shard is one type).
+        # The file's own blocks for the JIT block kernel: staged only where the kernels build,
+        # kept while every shard is one type, until `use_block_kernel` keeps one kernel's copy.
+        self._stage = cpu_kernels.can_use_cpu_kernels()
         self._blocks: torch.Tensor | None = None
         self.gguf_blocks: torch.Tensor | None = None
         self.qtype: str | None = None
-        self._few_rows: Callable[[torch.Tensor], torch.Tensor] = self._int4_matmul
+        self._use_blocks = False  # a flag, not a bound method in an attribute (no self-cycle)
         self._rows_loaded = 0
 
     def load_rows(self, start: int, tensor: GGUFQuantizedTensor) -> None:
@@ -191,6 +203,8 @@ class GGUFInt4Linear(nn.Module):
         self._rows_loaded += rows
 
     def _stage_blocks(self, start: int, tensor: GGUFQuantizedTensor) -> None:
+        if not self._stage:
+            return
         if self._rows_loaded == 0:
             self.qtype = tensor.qtype
             row_bytes = self.in_features // GROUP_SIZE * INT4_TYPES[tensor.qtype]
@@ -230,19 +244,23 @@ class GGUFInt4Linear(nn.Module):
         `dense_from_rows`, and free the other's copy of the weights.
 
         Raises:
-            ValueError: `on` for a layer without GGUF blocks (mixed shard types).
+            ValueError: before `finalize()`; `on` for a layer without GGUF blocks (CPU kernels
+                unavailable, or shards of mixed types); `off` once the int4 copy was freed.
         """
+        if self._codes is not None:
+            raise ValueError("use_block_kernel before finalize()")
         if on:
             if self.gguf_blocks is None:
-                raise ValueError("this layer keeps no GGUF blocks (its shards mix types)")
-            self._few_rows = self._block_matmul
+                raise ValueError("this layer keeps no GGUF blocks (CPU kernels unavailable or shards of mixed types)")
             self.packed_weight = self.scales_and_zeros = self._w4 = self._sz = None
+        elif self._w4 is None:
+            raise ValueError("the int4 copy was freed when the block kernel was chosen")
         else:
-            self._few_rows = self._int4_matmul
             self.gguf_blocks = None
+        self._use_blocks = on
 
     def drop_dense_copy(self) -> None:
-        """Free the dense copy; every call then takes the int4 kernel."""
+        """Free the dense copy; every call then takes the few-row kernel."""
         self.dense_weight, self._dense_call, self.dense_from_rows = None, None, sys.maxsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +270,7 @@ class GGUFInt4Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row kernel chosen (`use_block_kernel`; PyTorch's int4 kernel until then)."""
-        return self._few_rows(x)
+        return self._block_matmul(x) if self._use_blocks else self._int4_matmul(x)
 
     def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.gguf_gemm(x, self.gguf_blocks, self.qtype)
@@ -267,7 +285,7 @@ class GGUFInt4Linear(nn.Module):
 
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
-        """The weight [N, K] the int4 kernel multiplies by (the kernel applied to an identity), in `dtype`."""
+        """The weight [N, K] the few-row kernel multiplies by (it applied to an identity), in `dtype`."""
         eye = torch.eye(self.in_features, dtype=self.dtype)
         return self._matmul(eye).t().contiguous()
 
@@ -332,6 +350,10 @@ class GGUFBlockLinear(nn.Module):
     def drop_dense_copy(self) -> None:
         """The dense weight is the model's own (shared): only stop calling it."""
         self.dense_from_rows = sys.maxsize
+
+    def drop_blocks(self) -> None:
+        """Free the blocks; every call then takes the dense weight (where it won at one row)."""
+        self.gguf_blocks, self.dense_from_rows = None, 0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

@@ -20,7 +20,7 @@ The rule, per distinct (N, K): rows M in (1, 2, 4, 8, 16, 32, 64), ascending; at
 kernels timed interleaved (`reps` samples of `inner` calls, medians, after a warm-up call); the
 crossover is the first M at which the dense GEMM is faster at M and at the next M as well (two
 in a row, so one noisy sample cannot move it down), and the search stops there. No crossover
-up to 64 rows: the int4 kernel always, and the dense copy is freed. If the time budget runs out
+up to 64 rows: the few-row kernel always, and the dense copy is freed. If the time budget runs out
 first (a loaded machine: one start took 2.6 s), the rows not yet tried take the dense copy:
 int4 was measured better only up to the last M tried, and at prefill sizes the dense GEMM won on
 every CPU measured (2.7x at 256 rows on the EPYC), so giving it up unmeasured would cost far more.
@@ -30,9 +30,13 @@ Which few-row kernel: where the JIT CPU kernels build, a layer can also run the 
 kernel on the file's own blocks (`cpu_kernels.gguf_gemm`, float32 math) instead of PyTorch's
 int4 kernel (bf16 math, x cast in and out in a float32 model). Per shape both are timed at one
 row (decode) and the faster one kept, the other's copy freed: on an AVX2-only EPYC the block
-kernel took 46-147 us against 61-184 us for the four SmolLM2 shapes. The LM head
-(`GGUFBlockLinear`, Q8_0 blocks of the tied embedding) gets the same crossover search against
-its dense weight (one row: 3.0 ms against 14.7 ms for float32 on that CPU).
+kernel took 56-196 us against 73-218 us for the four SmolLM2 shapes (one server start). Where
+the block kernel cannot run (CPU kernels unavailable, mixed shard types, float16) the blocks are
+freed. The LM head (`GGUFBlockLinear`, Q8_0 blocks of the tied embedding) gets the same
+crossover search against its dense weight (one row: 3.0 ms against 14.7 ms for float32 on that
+CPU), first and on its own budget so that a slow start cannot leave it untimed; row counts past
+the last one timed take the dense weight, and a head whose dense weight wins at one row frees
+its blocks.
 
 Timing a layer's own weights call after call would measure them hot in the cache, which a
 decode step never sees (it streams every layer's weights once: 100+ MB for SmolLM2). So each
@@ -46,7 +50,6 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -72,14 +75,16 @@ class DispatchReport:
     """What `setup_int4_dispatch` chose.
 
     Attributes:
-        crossover: (N, K) -> first row count that takes the dense GEMM, or None (int4 always).
+        crossover: (N, K) -> first row count that takes the dense GEMM, or None (the few-row
+            kernel always).
         timings_us: (N, K) -> [(M, few-row kernel median us, dense median us)] as measured.
         block_kernel: (N, K) -> (block kernel chosen, its us, PyTorch int4 us) at one row, for
             the shapes where both could run.
         head: (crossover, timings) of the LM head's `GGUFBlockLinear`, or None.
         layers: GGUF int4 layers seen.
         dense_bytes: bytes of the dense copies kept.
-        int4_bytes: bytes of the int4 codes plus scales and zeros.
+        int4_bytes: bytes of the 4-bit weights kept (int4 codes with scales and zeros, or the
+            GGUF blocks).
         seconds: wall time of the calibration.
     """
 
@@ -103,10 +108,13 @@ class DispatchReport:
 
         shapes = "; ".join(f"{n}x{k}: {few((n, k))}" + (f", dense from {m} rows" if m else "")
                            for (n, k), m in sorted(self.crossover.items()))
-        head = "" if self.head is None else (
-            f"; LM head: block kernel" + (f", dense from {self.head[0]} rows" if self.head[0] else ""))
+        head = ""
+        if self.head is not None:
+            m = self.head[0]
+            head = ("; LM head: dense" if m == 1 else "; LM head: block kernel"
+                    + (f", dense from {m} rows" if m else f", dense from {CALIBRATION_ROWS[-1] + 1} rows (untimed)"))
         return (f"GGUF GEMM dispatch over {self.layers} layers, calibrated in {self.seconds * 1e3:.0f} ms "
-                f"on {torch.get_num_threads()} threads: {shapes}{head}; weights 4-bit "
+                f"on {torch.get_num_threads()} threads: {shapes or 'no 4-bit layers'}{head}; weights 4-bit "
                 f"{self.int4_bytes / 2**20:.0f} MiB + dense {self.dense_bytes / 2**20:.0f} MiB")
 
 
@@ -186,10 +194,15 @@ def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int,
 @torch.inference_mode()
 def choose_few_row_kernel(layers: Sequence[GGUFInt4Linear], reps: int = 5, inner: int = 4
                           ) -> tuple[bool, float, float]:
-    """Time the JIT block kernel against PyTorch's int4 kernel at one row over `layers` (one
-    shape, each call on the next layer) and switch every layer to the faster, freeing the
-    other's weights. Returns (block kernel chosen, block us, int4 us).
+    """Time the JIT block kernel against PyTorch's int4 kernel at one row over `layers` and
+    switch every layer to the faster, freeing the other's weights.
 
+    Args:
+        layers: finalized layers of one shape [N, K] with GGUF blocks, float32 or bfloat16;
+            each call takes the next one (weights read cold).
+        reps, inner: samples per kernel, calls per sample (medians over samples).
+    Returns:
+        (block kernel chosen, its median us per call, int4's), for x [1, K].
     Raises:
         ValueError: a layer without GGUF blocks.
     """
@@ -212,8 +225,13 @@ def _bytes(t: torch.Tensor | nn.Module | None) -> int:
 def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadline: float) -> None:
     """Few-row kernel, then its crossover with the dense copy, for the layers of one shape."""
     shape = (layers[0].out_features, layers[0].in_features)
-    if all(m.gguf_blocks is not None for m in layers) and cpu_kernels.can_use_cpu_kernels():
+    if (all(m.gguf_blocks is not None for m in layers) and layers[0].dtype in (torch.float32, torch.bfloat16)
+            and cpu_kernels.can_use_cpu_kernels()):
         report.block_kernel[shape] = choose_few_row_kernel(layers)
+    else:  # the int4 kernel for all of the shape: free any blocks staged
+        for layer in layers:
+            if layer.gguf_blocks is not None:
+                layer.use_block_kernel(False)
     crossover = None
     if all(m.dense_weight is not None for m in layers):
         crossover, report.timings_us[shape] = calibrate_crossover(layers, deadline=deadline)
@@ -227,6 +245,17 @@ def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadl
         report.int4_bytes += _bytes(layer.packed_weight) + _bytes(layer.scales_and_zeros) + _bytes(layer.gguf_blocks)
 
 
+def _calibrate_head(head: GGUFBlockLinear, report: DispatchReport, deadline: float) -> None:
+    """The LM head's crossover: row counts past the last timed take the dense weight; a head
+    whose dense weight wins at one row frees its blocks."""
+    report.head = calibrate_crossover(head, reps=3, inner=1, deadline=deadline)
+    crossover = report.head[0]
+    if crossover == 1:
+        head.drop_blocks()
+    else:
+        head.dense_from_rows = crossover if crossover is not None else CALIBRATION_ROWS[-1] + 1
+
+
 def setup_int4_dispatch(model: nn.Module, budget_s: float = 4.0) -> DispatchReport | None:
     """Per distinct shape of `model`'s GGUF int4 layers: pick the few-row kernel (block or
     int4), calibrate its crossover with the dense copy, set `dense_from_rows` on every layer
@@ -238,6 +267,7 @@ def setup_int4_dispatch(model: nn.Module, budget_s: float = 4.0) -> DispatchRepo
             then search fewer row counts).
     Returns:
         The report, or None when the model has no GGUF layer.
+    Budget: a quarter of `budget_s` for the head, then `budget_s` for the 4-bit layers.
     """
     layers = [m for m in model.modules() if isinstance(m, GGUFInt4Linear)]
     heads = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]
@@ -245,15 +275,14 @@ def setup_int4_dispatch(model: nn.Module, budget_s: float = 4.0) -> DispatchRepo
         return None
     report = DispatchReport(layers=len(layers))
     start = time.perf_counter()
-    deadline = start + budget_s
+    for head in heads:  # one weight, far larger than any cache: timed alone it is cold already
+        _calibrate_head(head, report, time.perf_counter() + budget_s / 4)
+    deadline = time.perf_counter() + budget_s
     shapes: dict[tuple[int, int], list[GGUFInt4Linear]] = {}
     for layer in layers:
         shapes.setdefault((layer.out_features, layer.in_features), []).append(layer)
     for group in shapes.values():
         _calibrate_shape(group, report, deadline)
-    for head in heads:  # one weight, far larger than any cache: timed alone it is cold already
-        report.head = calibrate_crossover(head, reps=3, inner=1, deadline=deadline)
-        head.dense_from_rows = report.head[0] if report.head[0] is not None else sys.maxsize
     report.seconds = time.perf_counter() - start
     logger.info("%s", report.describe())
     return report

@@ -197,6 +197,7 @@ void gguf_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorV
   require_inner_contiguous(x, "x");
   require(block_type >= 0 && block_type <= 2, "block_type must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
   const BlockType B = static_cast<BlockType>(block_type);
+  require(x.ndim() == 2 && out.ndim() == 2, "x and out must be 2-D");
   require(w.IsContiguous() && out.IsContiguous() && w.dtype().bits == 8 && w.ndim() == 2,
           "w must be a contiguous 8-bit [N, bytes] tensor and out contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);

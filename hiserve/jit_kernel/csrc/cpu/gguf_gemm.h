@@ -16,16 +16,24 @@
 // Each weight is formed exactly as gguf's dequantizer forms it (gguf-py `quants.py`, float32):
 // d * q is exact in float32 (an fp16 d times an integer of at most 8 bits) and so is
 // d * (q - 8) = d * q - 8 d, so a fused multiply-add rounds once where gguf does. Only the
-// order of the sum over K differs from a dense GEMM's.
+// order of the sum over K differs from a dense GEMM's. (A non-finite d is the one exception:
+// Q4_0 with d = +-inf gives NaN here, +-inf * (q - 8) in gguf; no quantizer writes one.)
 #pragma once
 
-#include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
+
+// The vector path needs AVX2 + FMA (+ F16C for the scales); x86 tiers below it and other
+// architectures take the portable loops (immintrin.h only where it exists).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HISERVE_GGUF_AVX2 1
+#include <immintrin.h>
+#endif
 
 namespace hiserve {
 namespace cpu {
@@ -34,6 +42,9 @@ constexpr int64_t kBlock = 32;
 // Activation rows per pass over a weight row: each dequantized block is reused for this many
 // rows (AVX2: 4 rows x 2 accumulators + 4 weight vectors of its 16 registers).
 constexpr int kRowTile = 4;
+// Rows of x per sweep over the weight: the sweep re-reads these rows for every output feature,
+// so they should stay in L2 (32 x K floats: 72 KB at K = 576, 192 KB at K = 1536).
+constexpr int64_t kRowBlock = 32;
 
 enum class BlockType : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
@@ -43,7 +54,7 @@ constexpr int64_t block_bytes(BlockType t) { return t == BlockType::kQ4_0 ? 18 :
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
-#ifdef __F16C__
+#ifdef HISERVE_GGUF_AVX2
   return _cvtsh_ss(h);
 #else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -80,7 +91,7 @@ inline const uint8_t* block_codes(const uint8_t* blk) {
   return blk + (B == BlockType::kQ4_1 ? 4 : 2);
 }
 
-#ifdef __AVX2__
+#ifdef HISERVE_GGUF_AVX2
 // AVX2 (also taken on the AVX-512 tiers): 8 lanes, a block is four vectors.
 
 template <BlockType B>
@@ -162,12 +173,12 @@ inline void row_dot(const uint8_t* __restrict row, int64_t nb, const float* __re
 }
 #endif
 
-// x [M, K] float32 contiguous, w [N, K/32 blocks] as above, y [M, N] float32 contiguous.
+// Rows [0, M) of x and y here are one row block of the caller's.
 template <BlockType B>
-void gguf_gemm_f32(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+void gguf_gemm_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int num_threads) {
   const int64_t nb = K / kBlock, row_bytes = nb * block_bytes(B);
-  // Parallel over output features; a thread runs every row of x for its features, so each
-  // weight byte is read from memory once and dequantized once per kRowTile rows.
+  // Parallel over output features; a thread runs every row of the block for its features, so
+  // each weight byte is read once per row block and dequantized once per kRowTile rows.
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= kGrainSize)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* wn = w + n * row_bytes;
@@ -183,6 +194,13 @@ void gguf_gemm_f32(const float* x, const uint8_t* w, float* y, int64_t M, int64_
     if (left == 1) row_dot<B, 1>(wn, nb, x + r * K, K, out);
     for (int64_t i = 0; i < left; ++i) y[(r + i) * N + n] = out[i];
   }
+}
+
+// x [M, K] float32 contiguous, w [N, K/32 blocks] as above, y [M, N] float32 contiguous.
+template <BlockType B>
+void gguf_gemm_f32(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock)
+    gguf_gemm_rows<B>(x + r0 * K, w, y + r0 * N, std::min(kRowBlock, M - r0), N, K, num_threads);
 }
 
 // x [M, K] (row stride x_stride) in T -> y [M, N] in T (contiguous): the float32 GEMM above,
