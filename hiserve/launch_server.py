@@ -47,6 +47,7 @@ import sys
 import time
 from typing import Any
 
+from hiserve.engine.signals import exit_on_sigterm
 from hiserve.server_args import PortArgs, ServerArgs, server_args_parser
 
 logger = logging.getLogger("hiserve.launch_server")
@@ -349,7 +350,7 @@ def launch_server(server_args: ServerArgs) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags (argv, default sys.argv) and serve; the exit status (2: bad flags)."""
     # SIGTERM leaves through SystemExit, so `finally` blocks (killing the scheduler) run.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     parser = server_args_parser()
     server_args = ServerArgs.from_cli_args(parser.parse_args(argv))  # resolved by the scheduler process
     logging.basicConfig(level=server_args.log_level.upper(),

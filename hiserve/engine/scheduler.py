@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import time
 import traceback
 from typing import Any, Optional
@@ -44,6 +43,7 @@ from hiserve.engine.sample_result import SampleResult
 from hiserve.engine.scheduler_output import SchedulerOutputMixin
 from hiserve.engine.scheduler_overlap import STORAGE_NAP_S, OverlapSchedulerMixin
 from hiserve.engine.scheduler_results import SchedulerResultsMixin
+from hiserve.engine.signals import exit_on_sigterm
 from hiserve.engine.schedule_policy import AddResult, PrefillAdder, order_waiting_queue
 from hiserve.engine.tokenizer_spec import tokenizer_spec
 from hiserve.layers.forward_batch import ForwardMode
@@ -434,7 +434,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe_wri
     pipe_writer.send(scheduler.ready_message())
     # SIGTERM (the launcher stopping us) leaves through SystemExit so the storage worker is
     # stopped cleanly: the op it is running finishes, queued backups are dropped.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     try:
         scheduler.event_loop()
     finally:

@@ -32,7 +32,8 @@ int4 kernel (bf16 math, x cast in and out in a float32 model). Per shape both ar
 row (decode) and the faster one kept, the other's copy freed: on an AVX2-only EPYC the block
 kernel took 56-196 us against 73-218 us for the four SmolLM2 shapes (one server start). Where
 the block kernel cannot run (CPU kernels unavailable, mixed shard types, float16) the blocks are
-freed. The LM head (`GGUFBlockLinear`, Q8_0 blocks of the tied embedding) gets the same
+freed. Without a dense copy (HISERVE_GGUF_DENSE_COPY=0) the kernel chosen at one row takes
+every call, prefill included: that choice is not timed at prefill sizes. The LM head (`GGUFBlockLinear`, Q8_0 blocks of the tied embedding) gets the same
 crossover search against its dense weight (one row: 3.0 ms against 14.7 ms for float32 on that
 CPU), first and on its own budget so that a slow start cannot leave it untimed; row counts past
 the last one timed take the dense weight, and a head whose dense weight wins at one row frees
