@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head = None  # the packed copy replaces it
         if self.gguf_head is not None:  # its many-row calls take the packed copy too
-            self.gguf_head.dense_weight = self.packed_lm_head
+            self.gguf_head.set_dense_weight(self.packed_lm_head)
         return True
 
     @torch.inference_mode()

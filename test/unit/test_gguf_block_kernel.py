@@ -138,6 +138,30 @@ def test_block_linear_dispatches_by_rows():
         GGUFBlockLinear(t, dense[:32])
 
 
+def test_block_linear_takes_the_packed_head_after_a_tied_parameter():
+    """`pack_for_cpu` swaps the oneDNN-packed head in for the tied embedding (a Parameter):
+    nn.Module refused that once the Parameter was registered under the head, so `make serve`
+    failed at start on every CPU that packs bf16 (AMX, AVX512-BF16)."""
+    from hiserve.layers.linear import PackedLinear
+
+    t, ref = _tensor("Q8_0", 64, 96)
+    embedding = nn.Parameter(ref.clone(), requires_grad=False)
+    head = GGUFBlockLinear(t, embedding)
+    assert head.dense_weight is embedding
+    assert not list(head.parameters())  # the model owns the embedding, the head only uses it
+    try:  # float32: oneDNN packs it on every x86 tier (bf16 only with native bf16)
+        packed = PackedLinear(ref.clone(), None)
+    except RuntimeError as e:
+        pytest.skip(f"oneDNN cannot pack here: {e}")
+    head.set_dense_weight(packed)
+    assert head.dense_weight is packed and head.dtype == torch.float32
+    head.dense_from_rows = 1
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(head(x), x @ ref.t(), rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="disagree"):
+        head.set_dense_weight(ref[:32])
+
+
 def test_setup_picks_one_few_row_kernel_per_shape_and_calibrates_the_head(monkeypatch):
     layers = [_int4_layer(n=64, k=96)[0] for _ in range(3)] + [_int4_layer(n=32, k=64)[0]]
     head = GGUFBlockLinear(*_tensor("Q8_0", 128, 96))

@@ -328,15 +328,31 @@ class GGUFBlockLinear(nn.Module):
         super().__init__()
         if tensor.qtype not in BLOCK_KERNEL_TYPES:
             raise ValueError(f"the block kernel reads {sorted(BLOCK_KERNEL_TYPES)}, not {tensor.qtype}")
-        dense_shape = (dense.out_features, dense.in_features) if isinstance(dense, PackedLinear) else tuple(dense.shape)
-        if tuple(tensor.shape) != dense_shape:
-            raise ValueError(f"blocks {tensor.shape} and dense weight {dense_shape} disagree")
         self.out_features, self.in_features = tensor.shape
         self.qtype = tensor.qtype
-        self.dtype = dense.packed_weight.dtype if isinstance(dense, PackedLinear) else dense.dtype
         self.register_buffer("gguf_blocks", torch.from_numpy(np.ascontiguousarray(tensor.data)), persistent=False)
-        self.dense_weight = dense
+        self.dense_weight: torch.Tensor | PackedLinear | None = None
+        self.set_dense_weight(dense)
         self.dense_from_rows = sys.maxsize
+
+    def set_dense_weight(self, dense: torch.Tensor | PackedLinear) -> None:
+        """Point the many-row calls at `dense`, [N, K] in the model dtype or its oneDNN-packed
+        form (`LlamaForCausalLM.pack_for_cpu` swaps the packed head in after loading).
+
+        Raises:
+            ValueError: `dense` is not [out_features, in_features].
+        """
+        shape = (dense.out_features, dense.in_features) if isinstance(dense, PackedLinear) else tuple(dense.shape)
+        if shape != (self.out_features, self.in_features):
+            raise ValueError(f"blocks {(self.out_features, self.in_features)} and dense weight {shape} disagree")
+        self.dtype = dense.packed_weight.dtype if isinstance(dense, PackedLinear) else dense.dtype
+        # Kept outside nn.Module's registries: the weight belongs to the model (the tied
+        # embedding, a Parameter, or the packed head, a module), and once registered as a
+        # Parameter, nn.Module refuses to replace it by a module.
+        self.__dict__.pop("dense_weight", None)
+        self._parameters.pop("dense_weight", None)
+        self._modules.pop("dense_weight", None)
+        object.__setattr__(self, "dense_weight", dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
