@@ -73,6 +73,27 @@ def test_kernel_applies_ggufs_weights_exactly_on_every_tier(isa, qtype):
     torch.testing.assert_close(got, (xb.float() @ ref.t()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("k", (96, 160, 576))  # 3, 5, 18 blocks
+def test_bf16_activations_apply_ggufs_weights_exactly(isa, qtype, k):
+    """bf16 x (the default model dtype on CPUs with native bf16): a one-hot x must give gguf's
+    d * q + m rounded once to bf16 on every tier (Q8_0 on the AVX-512 tiers scales q . x per
+    block, where the AVX2 path forms d * q first), and random x must agree with x @ W^T."""
+    mod = cpu_kernels.load_cpu_module(isa)
+    t, ref = _tensor(qtype, 40, k)
+    blocks = torch.from_numpy(t.data)
+    assert torch.equal(_run(mod, torch.eye(k, dtype=torch.bfloat16), blocks, qtype).t(), ref.to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 4, 5, 9, 33):  # row tiles of 4, remainders, a second row block of 32
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        want = x.float() @ ref.t()
+        got = _run(mod, x, blocks, qtype)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2 * want.abs().max().item())
+    wide = torch.randn(3, k + 64, generator=gen).to(torch.bfloat16)[:, 32:32 + k]  # strided rows
+    torch.testing.assert_close(_run(mod, wide, blocks, qtype).float(), wide.float() @ ref.t(), rtol=1e-2, atol=0.5)
+
+
 def test_kernel_rejects_bad_input():
     t, _ = _tensor("Q4_1", 16, 64)
     blocks = torch.from_numpy(t.data)

@@ -92,7 +92,7 @@ inline const uint8_t* block_codes(const uint8_t* blk) {
 }
 
 #ifdef HISERVE_GGUF_AVX2
-// AVX2 (also taken on the AVX-512 tiers): 8 lanes, a block is four vectors.
+// AVX2 (also taken on the AVX-512 tiers, Q8_0 excepted): 8 lanes, a block is four vectors.
 
 template <BlockType B>
 inline void dequant_block(const uint8_t* blk, __m256 w[4]) {
@@ -117,11 +117,46 @@ inline void dequant_block(const uint8_t* blk, __m256 w[4]) {
   }
 }
 
+#ifdef __AVX512F__
+// Q8_0 on the AVX-512 tiers (the LM head): a block is two 16-lane vectors of codes, multiplied
+// by x as integers and scaled once a block, d * (q . x), where the AVX2 path forms d * q per
+// weight first (about half the instructions a block; with a one-hot x both give d * q
+// exactly). 1.07-1.10x the AVX2 path at one row of SmolLM2's head on a Xeon with AMX.
+template <int Rows>
+inline void row_dot_q8_avx512(const uint8_t* __restrict row, int64_t nb, const float* __restrict x, int64_t k,
+                              float* __restrict y) {
+  constexpr int A = Rows == 1 ? 2 : 1;  // two chains for one row: the FMA latency
+  __m512 acc[Rows][A];
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < A; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * block_bytes(BlockType::kQ8_0);
+    const __m512 d = _mm512_set1_ps(half_to_float(blk));
+    const __m128i* codes = reinterpret_cast<const __m128i*>(blk + 2);
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes)));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 1)));
+    for (int r = 0; r < Rows; ++r) {
+      const float* xr = x + r * k + b * kBlock;
+      const __m512 s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)));
+      acc[r][b % A] = _mm512_fmadd_ps(d, s, acc[r][b % A]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    y[r] = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
+}
+#endif
+
 // Dot products of one weight row (nb blocks at `row`) with `Rows` float32 rows of x (row
 // stride k), into y[r].
 template <BlockType B, int Rows>
 inline void row_dot(const uint8_t* __restrict row, int64_t nb, const float* __restrict x, int64_t k,
                     float* __restrict y) {
+#ifdef __AVX512F__
+  if constexpr (B == BlockType::kQ8_0) {
+    row_dot_q8_avx512<Rows>(row, nb, x, k, y);
+    return;
+  }
+#endif
   // Four accumulators for one row (FMA latency), two a row for more rows (register budget).
   constexpr int A = Rows == 1 ? 4 : 2;
   __m256 acc[Rows][A];
@@ -182,6 +217,12 @@ void gguf_gemm_rows(const float* x, const uint8_t* w, float* y, int64_t M, int64
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= kGrainSize)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* wn = w + n * row_bytes;
+#ifdef HISERVE_GGUF_AVX2
+    // The weight row 4 ahead, into L1: the hardware prefetchers left a one-row call of the
+    // 28 MB Q8_0 LM head at 8 GB/s on a Xeon with AMX (2 threads); with this, 1.3-1.45x.
+    if (n + 4 < N)
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(wn + 4 * row_bytes + off), _MM_HINT_T0);
+#endif
     float out[kRowTile];
     int64_t r = 0;
     for (; r + kRowTile <= M; r += kRowTile) {
