@@ -253,3 +253,33 @@ def test_special_fp16_scales_on_every_tier(isa):
         ref = torch.from_numpy(np.array(dequantize(data, GGMLQuantizationType[qtype]))).reshape(len(scales), 64)
         got = _run(cpu_kernels.load_cpu_module(isa), torch.eye(64), torch.from_numpy(data), qtype).t()
         assert torch.equal(got, ref), (isa, qtype)
+
+
+def test_pack_for_cpu_keeps_the_gguf_head_on_the_packed_weight(monkeypatch):
+    """The crash `make serve` hit at start on AMX / AVX512-BF16 CPUs, on any CPU: a tied Llama
+    with a Q8_0 block head, then `pack_for_cpu` (forced here, float32, which oneDNN packs on
+    every x86 tier): the head's many-row calls must take the packed copy and agree with it."""
+    from hiserve.models import llama as llama_mod
+    from hiserve.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128,
+        "vocab_size": 96, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    model = llama_mod.LlamaForCausalLM(cfg, torch.float32).eval()
+    assert model.lm_head is None
+    t, ref = _tensor("Q8_0", 96, 64)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(ref)
+    model.set_gguf_head(t)
+    monkeypatch.setattr(llama_mod, "can_pack_for_cpu", lambda device, dtype: True)
+    try:
+        assert model.pack_for_cpu()
+    except RuntimeError as e:
+        pytest.skip(f"oneDNN cannot pack here: {e}")
+    head = model.lm_head_weight
+    assert head is model.gguf_head and head.dense_weight is model.packed_lm_head
+    head.dense_from_rows = 4
+    for rows in (1, 6):  # block kernel, then the packed dense weight
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(head(x), x @ ref.t(), rtol=1e-4, atol=1e-3)
