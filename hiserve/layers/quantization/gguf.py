@@ -331,7 +331,7 @@ class GGUFBlockLinear(nn.Module):
         self.out_features, self.in_features = tensor.shape
         self.qtype = tensor.qtype
         self.register_buffer("gguf_blocks", torch.from_numpy(np.ascontiguousarray(tensor.data)), persistent=False)
-        self.dense_weight: torch.Tensor | PackedLinear | None = None
+        self.dense_weight: torch.Tensor | PackedLinear
         self.set_dense_weight(dense)
         self.dense_from_rows = sys.maxsize
 
@@ -346,12 +346,9 @@ class GGUFBlockLinear(nn.Module):
         if shape != (self.out_features, self.in_features):
             raise ValueError(f"blocks {(self.out_features, self.in_features)} and dense weight {shape} disagree")
         self.dtype = dense.packed_weight.dtype if isinstance(dense, PackedLinear) else dense.dtype
-        # Kept outside nn.Module's registries: the weight belongs to the model (the tied
-        # embedding, a Parameter, or the packed head, a module), and once registered as a
-        # Parameter, nn.Module refuses to replace it by a module.
-        self.__dict__.pop("dense_weight", None)
-        self._parameters.pop("dense_weight", None)
-        self._modules.pop("dense_weight", None)
+        # A plain attribute, never registered: the weight belongs to the model (the tied
+        # embedding, a Parameter, or the packed head, a module), and nn.Module refuses to
+        # replace a registered Parameter by a module.
         object.__setattr__(self, "dense_weight", dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
