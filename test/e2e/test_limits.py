@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -34,7 +35,12 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = popen_launch_server(SERVER_ARGS)
+    # One compute thread: the hammering test below shares a 2-core CI machine with the server,
+    # and a two-thread OpenMP team ends each parallel region only when both threads get a
+    # time slice: a one-token forward then took ~1.3 s now and then (3 of 24 probes, the rest
+    # ~0.17 s; with one thread the worst of 24 was 0.13 s). These tests are about the API
+    # process, not the scheduler's thread count.
+    proc, url = popen_launch_server(SERVER_ARGS, env={"OMP_NUM_THREADS": "1"})
     yield proc, url
     kill(proc)
 
@@ -148,9 +154,10 @@ def test_wrong_method_is_405_with_allow(client: httpx.Client):
     assert set(r.headers["allow"].replace(" ", "").split(",")) == {"POST", "PUT"}
 
 
-def _probe(client: httpx.Client, rounds: int = 5) -> tuple[float, float]:
-    """Worst latency of /health and of a 1-token /generate over `rounds` tries (seconds)."""
-    health = generate = 0.0
+def _probe(client: httpx.Client, rounds: int = 7) -> tuple[float, list[float]]:
+    """Worst latency of /health and every latency of a 1-token /generate over `rounds`
+    tries (seconds)."""
+    health, generate = 0.0, []
     for _ in range(rounds):
         t = time.monotonic()
         assert client.get("/health").status_code == 200
@@ -158,15 +165,20 @@ def _probe(client: httpx.Client, rounds: int = 5) -> tuple[float, float]:
         t = time.monotonic()
         r = client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200
-        generate = max(generate, time.monotonic() - t)
+        generate.append(time.monotonic() - t)
     return health, generate
 
 
 def test_server_answers_while_a_huge_request_is_refused(server, client: httpx.Client):
-    """/health within 1 s, and a small /generate within 1 s of its idle latency, while 20 MB
-    bodies and a 4 MB prompt are being refused (it was an 11 s freeze). The generation's own
-    time is measured idle first: on a loaded CI machine it alone can take about a second."""
-    _, idle_generate = _probe(client)
+    """/health within 1 s, and a small /generate within 1 s of its idle latency (median) and
+    never frozen (worst case), while 20 MB bodies and a 4 MB prompt are being refused (it was
+    an 11 s freeze of the event loop). The generation's own time is measured idle first.
+
+    Why a median as well as the worst case: the hammering client and the API process keep
+    both cores of a 2-core CI machine busy, so one probe can lose its core for a while; a
+    freeze shows in every probe."""
+    _, idle = _probe(client)
+    idle_generate = statistics.median(idle)
     big_streamed = b'{"text": "' + b"b" * 20_000_000 + b'"}'
     under_limit = json.dumps({"text": "word " * (BODY_LIMIT // 5 - 100)}).encode()
     stop = threading.Event()
@@ -193,8 +205,10 @@ def test_server_answers_while_a_huge_request_is_refused(server, client: httpx.Cl
         worker.join()
     assert set(refused) <= {413, 400, None} and 400 in refused, refused
     assert health < 1.0, f"/health took {health:.2f} s while huge requests were refused"
-    assert generate < idle_generate + 1.0, \
-        f"a small /generate took {generate:.2f} s (idle: {idle_generate:.2f} s) while huge requests were refused"
+    shown = ", ".join(f"{g:.2f}" for g in generate)
+    assert statistics.median(generate) < idle_generate + 1.0, \
+        f"small /generates took {shown} s (idle median {idle_generate:.2f} s) while huge requests were refused"
+    assert max(generate) < idle_generate + 5.0, f"a small /generate froze: {shown} s"
 
 
 def test_metrics_read_zero_when_idle(client: httpx.Client):
