@@ -36,11 +36,14 @@ class CpuInfo:
 
     @property
     def isa(self) -> str:
-        """The instruction-set tier the CPU kernels are compiled for: "avx512_bf16" (AVX-512
-        with native bf16 dot products; AMX CPUs have it too), "avx512", "avx2" or "baseline"."""
+        """The instruction-set tier the CPU kernels are compiled for: "amx" (AVX512-BF16 and AMX
+        bf16 tiles), "avx512_bf16" (AVX-512 with native bf16 dot products), "avx512", "avx2" or
+        "baseline". Each tier's instructions include the ones below it."""
         f = self.features
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f:
-            return "avx512_bf16" if "avx512_bf16" in f else "avx512"
+            if "avx512_bf16" not in f:
+                return "avx512"
+            return "amx" if {"amx_tile", "amx_bf16"} <= f else "avx512_bf16"
         if {"avx2", "fma"} <= f:
             return "avx2"
         return "baseline"

@@ -39,10 +39,15 @@ CPU_FUNCTIONS = {
     "rotary": "rotary embedding, NeoX or interleaved, partial rotary_dim",
     "silu_and_mul": "silu(gate) * up",
     "gguf_gemm": "GEMM of a few rows by GGUF Q4/Q8_0 blocks, dequantized in registers",
+    "gguf_amx_ready": "1 where this build has the AMX GEMM and the process may use AMX tiles",
+    "gguf_amx_pack": "GGUF Q4_0/Q4_1 blocks -> the AMX GEMM's 16 x 32 weight records",
+    "gguf_amx_gemm": "GEMM of bf16 rows by AMX weight records (AMX tiles, one dequantization per call)",
 }
 # Explicit -m flags per tier (see CpuInfo.isa). prefer-vector-width=512: gcc otherwise keeps
 # 256-bit vectors on AVX-512 targets, halving the width of the kernels' inner loops.
 ISA_FLAGS = {
+    "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+            "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512bf16", "-mprefer-vector-width=512"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
@@ -348,4 +353,57 @@ def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor
                f"blocks rows must hold K/32 {qtype} blocks ({nbytes} bytes each) for K = {x.shape[1]}")
     out = x.new_empty((x.shape[0], blocks.shape[0]))
     load_cpu_module().gguf_gemm(x, blocks, out, kind, torch.get_num_threads())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def amx_gemm_available() -> bool:
+    """True where the AMX GEMM can run: the CPU's kernel tier is "amx", the kernels build, and
+    Linux granted this process AMX tile state (asked once, by the kernel module)."""
+    return detect_cpu().isa == "amx" and can_use_cpu_kernels() and bool(load_cpu_module().gguf_amx_ready())
+
+
+def gguf_amx_pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF Q4_0/Q4_1 rows -> the AMX GEMM's weight records (csrc/cpu/gguf_amx.h).
+
+    Args:
+        blocks: uint8 [N, K/32 * block bytes], contiguous, as the GGUF file stores the rows; N % 16 == 0.
+        qtype: "Q4_0" or "Q4_1".
+    Returns:
+        uint8 [N/16, K/32, 320] (5 bits a weight, as Q4_1).
+    Raises:
+        ValueError: another type or shape; RuntimeError: no AMX build here, or a Q4_0 scale
+            whose -8x overflows fp16 (|d| >= 8192; no quantizer writes one).
+    """
+    kind, nbytes = GGUF_BLOCK_TYPES.get(qtype, (None, 0))
+    _check(qtype in ("Q4_0", "Q4_1"), f"gguf_amx_pack takes Q4_0 or Q4_1, got {qtype}")
+    _check(blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous() and blocks.is_cpu,
+           "blocks must be a contiguous uint8 CPU tensor [N, bytes]")
+    _check(blocks.shape[0] % 16 == 0 and blocks.shape[1] % nbytes == 0,
+           f"blocks must be [N, K/32 * {nbytes}] with N a multiple of 16, got {tuple(blocks.shape)}")
+    out = torch.empty((blocks.shape[0] // 16, blocks.shape[1] // nbytes, 320), dtype=torch.uint8)
+    load_cpu_module().gguf_amx_pack(blocks, out, kind)
+    return out
+
+
+def gguf_amx_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T on AMX tiles, W in `gguf_amx_pack`'s records: each weight is gguf's
+    dequantized value rounded to bf16 (as the dense bf16 copy holds it), sums in float32.
+
+    Args:
+        x: [M, K] bfloat16 (rows may be strided, each contiguous); any M (passes of 64 rows).
+        packed: uint8 [N/16, K/32, 320] from `gguf_amx_pack`.
+    Returns:
+        [M, N] bfloat16.
+    Raises:
+        ValueError: x not bf16 or shapes that disagree; RuntimeError: no AMX here.
+    """
+    if not (x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+            and packed.dim() == 3 and x.shape[1] == packed.shape[1] * 32):
+        _check(x.dtype == torch.bfloat16 and x.is_cpu, f"gguf_amx_gemm takes bfloat16 CPU rows, got {x.dtype}")
+        _check(x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows")
+        _check(packed.dim() == 3 and x.shape[1] == packed.shape[1] * 32,
+               f"x has K = {x.shape[1]}, the packed weight {packed.shape[1] * 32 if packed.dim() == 3 else '?'}")
+    out = x.new_empty((x.shape[0], packed.shape[0] * 16))
+    load_cpu_module().gguf_amx_gemm(x, packed, out, torch.get_num_threads())
     return out

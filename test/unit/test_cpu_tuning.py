@@ -15,7 +15,7 @@ AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
 
 
 @pytest.mark.parametrize("features, isa, bf16", [
-    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"}, "avx512_bf16", True),  # Sapphire Rapids
+    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"}, "amx", True),  # Sapphire Rapids
     (AVX512 | {"avx512_bf16", "avx512_vnni"}, "avx512_bf16", True),  # Zen 4/5
     (AVX512 | {"avx512_vnni"}, "avx512", False),  # Cascade Lake
     ({"avx2", "fma", "f16c"}, "avx2", False),

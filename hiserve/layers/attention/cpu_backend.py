@@ -77,7 +77,7 @@ def extend_routing(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
     if choice != "auto":
         return choice, f"HISERVE_CPU_EXTEND_ATTENTION={choice}"
     cpu = detect_cpu()
-    if cpu.isa != "avx512_bf16":
+    if cpu.isa not in ("avx512_bf16", "amx"):
         return "sdpa", f"kernel ISA {cpu.isa}: no AVX512-BF16 for the kernel's dpbf16 tiles"
     if dtype != torch.bfloat16:
         return "sdpa", f"{dtype} pool: the dpbf16 tiles read bf16"

@@ -22,7 +22,10 @@ Where the JIT CPU kernels build, a layer also keeps the file's blocks as they ar
 weight for Q4_1) for `cpu_kernels.gguf_gemm`, which forms each weight exactly as gguf's
 dequantizer does and sums in float32 for either activation dtype; `int4_dispatch` times it
 against PyTorch's int4 kernel per shape at start and frees the loser's copy
-(`use_block_kernel`). `GGUFBlockLinear` runs the same kernel for the LM head's few-row calls
+(`use_block_kernel`). On a CPU with AMX and a bf16 model a layer also packs its blocks for
+`cpu_kernels.gguf_amx_gemm` (AMX tiles, one dequantization per call whatever the rows), which
+the same set-up times against the few-row kernel and the dense copy (`use_amx_from`).
+`GGUFBlockLinear` runs the same kernel for the LM head's few-row calls
 on its Q4/Q8_0 blocks (for SmolLM2, the tied Q8_0 embedding).
 
 The layer's optional dense copy (for calls with many rows, see `int4_dispatch.py`) is gguf's
@@ -133,7 +136,9 @@ class GGUFInt4Linear(nn.Module):
     (`int4_dispatch.setup_int4_dispatch`); until then every call takes the int4 kernel.
     The layer also keeps the file's blocks (`gguf_blocks`, while all shards share one type)
     until the same set-up picks the few-row kernel: `use_block_kernel(True)` then runs
-    `cpu_kernels.gguf_gemm` on them and frees the int4 copy, `False` frees the blocks.
+    `cpu_kernels.gguf_gemm` on them and frees the int4 copy, `False` frees the blocks. On an
+    AMX CPU in bf16 it also keeps `amx_weight` (the blocks repacked for AMX tiles), which calls
+    of at least `amx_from_rows` rows (and fewer than `dense_from_rows`) take (`use_amx_from`).
 
     Filled shard by shard (`load_rows`, e.g. q, k and v into one fused qkv_proj), then
     `finalize()` packs once; nothing is re-created per call.
@@ -159,6 +164,8 @@ class GGUFInt4Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.dense_weight: torch.Tensor | PackedLinear | None = None
         self.dense_from_rows = sys.maxsize  # rows from which `forward` takes the dense copy
+        self.amx_from_rows = sys.maxsize  # rows from which the AMX GEMM takes the few-row calls
+        self.amx_weight: torch.Tensor | None = None
         # Plain-attribute aliases for `forward` (runs ~120 times a decode step): nn.Module's
         # __getattr__ for buffers, parameters and submodules costs more than the int4 call.
         object.__setattr__(self, "_bias", self.bias)
@@ -237,7 +244,36 @@ class GGUFInt4Linear(nn.Module):
                 self.dense_weight = dense
                 self._dense_call = functools.partial(dense_linear, weight=dense)
         self.gguf_blocks = self._blocks
+        self.amx_weight = self._pack_amx()
         self._codes = self._scale = self._zero = self._dense = self._blocks = None
+
+    def _pack_amx(self) -> torch.Tensor | None:
+        """The blocks repacked for the AMX GEMM, where it runs (AMX CPU, bf16, N % 16 == 0)."""
+        if (self._blocks is None or self.dtype != torch.bfloat16 or self.out_features % 16
+                or not cpu_kernels.amx_gemm_available()):
+            return None
+        try:
+            return cpu_kernels.gguf_amx_pack(self._blocks, self.qtype)
+        except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the other kernels serve it
+            return None
+
+    def use_amx_from(self, rows: int | None) -> None:
+        """Calls of at least `rows` rows (below `dense_from_rows`) take the AMX GEMM; None frees
+        its weights, 1 frees the few-row kernel's (every call below the dense copy is AMX).
+
+        Raises:
+            ValueError: before `finalize()`, or `rows` for a layer without AMX weights.
+        """
+        if self._codes is not None:
+            raise ValueError("use_amx_from before finalize()")
+        if rows is None:
+            self.amx_weight, self.amx_from_rows = None, sys.maxsize
+            return
+        if self.amx_weight is None:
+            raise ValueError("this layer keeps no AMX weights (no AMX, not bf16, or N % 16 != 0)")
+        self.amx_from_rows = rows if rows > 1 else 0  # 0: empty calls too, the few-row copy is gone
+        if rows <= 1:
+            self.packed_weight = self.scales_and_zeros = self._w4 = self._sz = self.gguf_blocks = None
 
     def use_block_kernel(self, on: bool) -> None:
         """Take the JIT block kernel (`on`) or PyTorch's int4 kernel for calls below
@@ -269,8 +305,15 @@ class GGUFInt4Linear(nn.Module):
         return y if self._bias is None else y + self._bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Every call below the dense copy: AMX from `amx_from_rows`, else the few-row kernel."""
+        return self._amx_matmul(x) if x.shape[0] >= self.amx_from_rows else self._few_row_matmul(x)
+
+    def _few_row_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row kernel chosen (`use_block_kernel`; PyTorch's int4 kernel until then)."""
         return self._block_matmul(x) if self._use_blocks else self._int4_matmul(x)
+
+    def _amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gguf_amx_gemm(x, self.amx_weight)
 
     def _block_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.gguf_gemm(x, self.gguf_blocks, self.qtype)

@@ -81,6 +81,8 @@ class DispatchReport:
         timings_us: (N, K) -> [(M, few-row kernel median us, dense median us)] as measured.
         block_kernel: (N, K) -> (block kernel chosen, its us, PyTorch int4 us) at one row, for
             the shapes where both could run.
+        amx: (N, K) -> (first row count that takes the AMX GEMM or None, [(M, few-row us,
+            AMX us)]) for the shapes with AMX weights (AMX CPU, bf16).
         head: (crossover, timings) of the LM head's `GGUFBlockLinear`, or None.
         layers: GGUF int4 layers seen.
         dense_bytes: bytes of the dense copies kept.
@@ -92,6 +94,7 @@ class DispatchReport:
     crossover: dict[tuple[int, int], int | None] = field(default_factory=dict)
     timings_us: dict[tuple[int, int], list[tuple[int, float, float]]] = field(default_factory=dict)
     block_kernel: dict[tuple[int, int], tuple[bool, float, float]] = field(default_factory=dict)
+    amx: dict[tuple[int, int], tuple[int | None, list[tuple[int, float, float]]]] = field(default_factory=dict)
     head: tuple[int | None, list[tuple[int, float, float]]] | None = None
     layers: int = 0
     dense_bytes: int = 0
@@ -107,7 +110,13 @@ class DispatchReport:
             return (f"{'block' if chosen[0] else 'int4'} kernel (1 row: block {chosen[1]:.0f} us, "
                     f"int4 {chosen[2]:.0f} us)")
 
-        shapes = "; ".join(f"{n}x{k}: {few((n, k))}" + (f", dense from {m} rows" if m else "")
+        def amx(shape: tuple[int, int]) -> str:
+            if shape not in self.amx:
+                return ""
+            m = self.amx[shape][0]
+            return ", AMX never" if m is None else f", AMX from {m} rows"
+
+        shapes = "; ".join(f"{n}x{k}: {few((n, k))}{amx((n, k))}" + (f", dense from {m} rows" if m else "")
                            for (n, k), m in sorted(self.crossover.items()))
         head = ""
         if self.head is not None:
@@ -153,9 +162,11 @@ def _medians_us(rot: _Rotation, kernels: tuple[str, str], x: torch.Tensor, reps:
 
 @torch.inference_mode()
 def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int, ...] = CALIBRATION_ROWS,
-                        reps: int = 5, inner: int = 3, deadline: float | None = None
+                        reps: int = 5, inner: int = 3, deadline: float | None = None,
+                        kernels: tuple[str, str] = ("_matmul", "_dense_matmul"),
                         ) -> tuple[int | None, list[tuple[int, float, float]]]:
-    """Time a layer's few-row kernel (`_matmul`) against its dense weight at growing row counts.
+    """Time a layer's few-row kernel (`_matmul`) against its dense weight at growing row counts
+    (or any two of its kernels, `kernels`: the second is the one for many rows).
 
     Args:
         layer: a finalized `GGUFInt4Linear` / `GGUFBlockLinear` with a dense weight, or several
@@ -168,10 +179,10 @@ def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int,
         is faster there; the next untried M when `deadline` stopped the search first; None when
         the few-row kernel is never beaten twice in a row), [(M, few-row us, dense us)].
     Raises:
-        ValueError: a layer without a dense weight.
+        ValueError: a layer without a dense weight (when the dense GEMM is timed).
     """
     layers = [layer] if isinstance(layer, nn.Module) else list(layer)
-    if any(getattr(m, "dense_weight", None) is None for m in layers):
+    if "_dense_matmul" in kernels and any(getattr(m, "dense_weight", None) is None for m in layers):
         raise ValueError("calibrate_crossover needs layers with a dense copy")
     rot = _Rotation(layers)
     timings: list[tuple[int, float, float]] = []
@@ -179,7 +190,7 @@ def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int,
     candidate: int | None = None
     for i, m in enumerate(rows):
         x = torch.randn(m, layers[0].in_features, generator=gen).to(layers[0].dtype)
-        a, b = _medians_us(rot, ("_matmul", "_dense_matmul"), x, reps, inner)
+        a, b = _medians_us(rot, kernels, x, reps, inner)
         timings.append((m, a, b))
         if b < a:
             if candidate is not None:
@@ -233,6 +244,10 @@ def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadl
         for layer in layers:
             if layer.gguf_blocks is not None:
                 layer.use_block_kernel(False)
+    if all(m.amx_weight is not None for m in layers):
+        report.amx[shape] = calibrate_crossover(layers, deadline=deadline, kernels=("_few_row_matmul", "_amx_matmul"))
+        for layer in layers:
+            layer.use_amx_from(report.amx[shape][0])
     crossover = None
     if all(m.dense_weight is not None for m in layers):
         crossover, report.timings_us[shape] = calibrate_crossover(layers, deadline=deadline)
@@ -243,7 +258,8 @@ def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadl
         else:
             layer.dense_from_rows = crossover
         report.dense_bytes += _bytes(layer.dense_weight)
-        report.int4_bytes += _bytes(layer.packed_weight) + _bytes(layer.scales_and_zeros) + _bytes(layer.gguf_blocks)
+        report.int4_bytes += (_bytes(layer.packed_weight) + _bytes(layer.scales_and_zeros) + _bytes(layer.gguf_blocks)
+                              + _bytes(layer.amx_weight))
 
 
 def _calibrate_head(head: GGUFBlockLinear, report: DispatchReport, deadline: float) -> None:

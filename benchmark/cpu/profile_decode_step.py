@@ -1,0 +1,86 @@
+"""Where a decode step of `make serve` defaults goes, by operator, at a given batch size.
+
+Builds the scheduler as the server does (`bench_scheduler_steps.Driver`), runs `--batch`
+requests of `--prompt` tokens into steady decode, times `--steps` decode steps (wall clock), then
+runs as many again under `torch.profiler` and prints its operator table (self CPU time, so a
+oneDNN GEMM and the Python around it are told apart) plus the share of the step each operator
+takes. Run it on a quiet machine: under CPU contention an OpenMP team's barriers stretch every
+parallel operator.
+
+    PYTHONPATH=$PWD python benchmark/cpu/profile_decode_step.py --batch 16 [--out x.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scheduler_steps import Driver, _cpu_model, shared_prefix  # noqa: E402
+
+
+def steady_decode(d: Driver, batch: int, prompt: int, out: int) -> None:
+    """Submit `batch` requests and step until all of them decode (prefills done)."""
+    for i in range(batch):
+        d.submit([1000 + (i * 7 + j) % 20000 for j in range(prompt)], out)
+    s = d.sched
+    while len(s.running) < batch or s.waiting_queue or s.chunked_req:
+        d.step()
+
+
+def profile_steps(d: Driver, steps: int, rows: int) -> tuple[str, list[dict], float]:
+    """(printed table, top operators as dicts, profiled total ms) over `steps` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            d.step()
+    avg = prof.key_averages()
+    total_us = sum(e.self_cpu_time_total for e in avg)
+    top = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    ops = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / steps / 1e3,
+            "share": e.self_cpu_time_total / total_us} for e in top]
+    return avg.table(sort_by="self_cpu_time_total", row_limit=rows), ops, total_us / steps / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=25, help="operators shown")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    import torch
+
+    d = Driver(time.perf_counter, dtype=args.dtype, quantization=args.quantization)
+    shared_prefix(d, num=4)  # warm-up: kernels built, allocator primed
+    steady_decode(d, args.batch, args.prompt, out=3 * args.steps + 8)
+    wall = [d.step()[1] for _ in range(args.steps)]
+    table, ops, prof_ms = profile_steps(d, args.steps, args.rows)
+    print(table)
+    step_ms = statistics.median(wall)
+    print(f"decode step at batch {args.batch}: median {step_ms:.2f} ms wall (unprofiled); "
+          f"profiled self CPU time {prof_ms:.2f} ms a step, all threads")
+    for op in ops[:12]:
+        print(f"  {op['op']:<40} {op['calls_per_step']:6.0f} calls {op['self_ms_per_step']:8.2f} ms "
+              f"{100 * op['share']:5.1f} %")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "benchmark": "cpu_profile_decode_step", "command": " ".join(sys.argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "flags": {"dtype": d.sched.server_args.dtype, "quantization": d.sched.server_args.quantization},
+            "batch": args.batch, "prompt": args.prompt, "step_ms_wall": wall, "step_ms_median": step_ms,
+            "profiled_self_ms_per_step": prof_ms, "top_ops": ops}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
