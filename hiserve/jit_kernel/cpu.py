@@ -364,24 +364,25 @@ def amx_gemm_available() -> bool:
 
 
 def gguf_amx_pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """GGUF Q4_0/Q4_1 rows -> the AMX GEMM's weight records (csrc/cpu/gguf_amx.h).
+    """GGUF Q4_0/Q4_1/Q8_0 rows -> the AMX GEMM's weight records (csrc/cpu/gguf_amx.h).
 
     Args:
         blocks: uint8 [N, K/32 * block bytes], contiguous, as the GGUF file stores the rows; N % 16 == 0.
-        qtype: "Q4_0" or "Q4_1".
+        qtype: "Q4_0", "Q4_1" or "Q8_0".
     Returns:
-        uint8 [N/16, K/32, 320] (5 bits a weight, as Q4_1).
+        uint8 [N/16, K/32, 320] (Q4: 5 bits a weight, as Q4_1) or [N/16, K/32, 544] (Q8_0).
     Raises:
         ValueError: another type or shape; RuntimeError: no AMX build here, or a Q4_0 scale
             whose -8x overflows fp16 (|d| >= 8192; no quantizer writes one).
     """
     kind, nbytes = GGUF_BLOCK_TYPES.get(qtype, (None, 0))
-    _check(qtype in ("Q4_0", "Q4_1"), f"gguf_amx_pack takes Q4_0 or Q4_1, got {qtype}")
+    _check(kind is not None, f"gguf_amx_pack takes Q4_0, Q4_1 or Q8_0, got {qtype}")
     _check(blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous() and blocks.is_cpu,
            "blocks must be a contiguous uint8 CPU tensor [N, bytes]")
     _check(blocks.shape[0] % 16 == 0 and blocks.shape[1] % nbytes == 0,
            f"blocks must be [N, K/32 * {nbytes}] with N a multiple of 16, got {tuple(blocks.shape)}")
-    out = torch.empty((blocks.shape[0] // 16, blocks.shape[1] // nbytes, 320), dtype=torch.uint8)
+    record = 544 if qtype == "Q8_0" else 320
+    out = torch.empty((blocks.shape[0] // 16, blocks.shape[1] // nbytes, record), dtype=torch.uint8)
     load_cpu_module().gguf_amx_pack(blocks, out, kind)
     return out
 
@@ -392,7 +393,7 @@ def gguf_amx_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: [M, K] bfloat16 (rows may be strided, each contiguous); any M (passes of 64 rows).
-        packed: uint8 [N/16, K/32, 320] from `gguf_amx_pack`.
+        packed: uint8 [N/16, K/32, 320 or 544] from `gguf_amx_pack`.
     Returns:
         [M, N] bfloat16.
     Raises:

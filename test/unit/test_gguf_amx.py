@@ -2,7 +2,7 @@
 
 - Every build tier answers `gguf_amx_ready`: 1 only for the amx tier on an AMX CPU.
 - On an AMX CPU: the weight it applies (an identity through it) is gguf's dequantization rounded
-  to bf16, bit for bit, for Q4_0 and Q4_1; products of 1..130 rows (its 16-row chunks, 64-row
+  to bf16, bit for bit, for Q4_0, Q4_1 and Q8_0; products of 1..130 rows (its 16-row chunks, 64-row
   passes and every remainder), strided rows, agree with x @ W^T; bad input raises ValueError.
 - `GGUFInt4Linear` routes calls of at least `amx_from_rows` rows to it, frees what it no longer
   needs (`use_amx_from`), and `setup_int4_dispatch` sets the crossover from timings.
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from hiserve.jit_kernel import cpu as cpu_kernels
-from hiserve.layers.quantization import GGUFInt4Linear, GGUFQuantizedTensor, int4_dispatch, setup_int4_dispatch
+from hiserve.layers.quantization import (GGUFBlockLinear, GGUFInt4Linear, GGUFQuantizedTensor, int4_dispatch,
+                                         setup_int4_dispatch)
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -53,19 +54,20 @@ def test_only_the_amx_tier_is_ready():
         assert cpu_kernels.load_cpu_module(isa).gguf_amx_ready() == (isa == "amx"), isa
 
 
-@pytest.mark.parametrize("qtype", ("Q4_0", "Q4_1"))
+@pytest.mark.parametrize("qtype", ("Q4_0", "Q4_1", "Q8_0"))
 def test_applies_ggufs_weights_rounded_to_bf16_exactly(amx, qtype):
     t, ref = _tensor(qtype, 48, 160)
     packed = cpu_kernels.gguf_amx_pack(_blocks(t), qtype)
-    assert packed.shape == (3, 5, 320)
+    assert packed.shape == (3, 5, 544 if qtype == "Q8_0" else 320)
     eye = torch.eye(160, dtype=torch.bfloat16)
     assert torch.equal(cpu_kernels.gguf_amx_gemm(eye, packed).t(), ref.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("qtype", ("Q4_1", "Q8_0"))
 @pytest.mark.parametrize("rows", (1, 5, 16, 17, 33, 64, 65, 130))
-def test_products_of_any_row_count_and_strided_rows(amx, rows):
-    t, ref = _tensor("Q4_1", 64, 96, seed=rows)
-    packed = cpu_kernels.gguf_amx_pack(_blocks(t), "Q4_1")
+def test_products_of_any_row_count_and_strided_rows(amx, rows, qtype):
+    t, ref = _tensor(qtype, 64, 96, seed=rows)
+    packed = cpu_kernels.gguf_amx_pack(_blocks(t), qtype)
     wide = torch.randn(rows, 200).to(torch.bfloat16)
     x = wide[:, 50:146]  # strided rows
     got = cpu_kernels.gguf_amx_gemm(x, packed)
@@ -78,8 +80,8 @@ def test_rejects_bad_input(amx):
     t, _ = _tensor("Q4_1", 32, 64)
     blocks = _blocks(t)
     packed = cpu_kernels.gguf_amx_pack(blocks, "Q4_1")
-    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
-        cpu_kernels.gguf_amx_pack(blocks, "Q8_0")
+    with pytest.raises(ValueError, match="Q4_0, Q4_1 or Q8_0"):
+        cpu_kernels.gguf_amx_pack(blocks, "Q5_0")
     with pytest.raises(ValueError, match="multiple of 16"):
         cpu_kernels.gguf_amx_pack(blocks[:24].contiguous(), "Q4_1")
     with pytest.raises(ValueError, match="bfloat16"):
@@ -133,3 +135,22 @@ def test_setup_sets_the_amx_crossover_from_timings(amx, monkeypatch, amx_wins_fr
         assert layer.amx_from_rows == {None: sys.maxsize, 1: 0, 8: 8}[amx_wins_from]
         assert layer.dense_weight is None  # never beaten: the dense copy is freed
     assert ("AMX never" if amx_wins_from is None else f"AMX from {amx_wins_from} rows") in report.describe()
+
+
+def test_head_takes_amx_between_its_block_kernel_and_dense_weight(amx, monkeypatch):
+    t, ref = _tensor("Q8_0", 64, 96)
+    head = GGUFBlockLinear(t, ref.to(torch.bfloat16))
+    assert head.amx_weight is not None and head.amx_weight.shape == (4, 3, 544)
+    head.use_amx_from(4)
+    w = ref.to(torch.bfloat16).float()
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        want = x.float() @ w.t()
+        torch.testing.assert_close(head(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    # Calibration: AMX wins from 8 rows, the dense weight never
+    monkeypatch.setattr(int4_dispatch, "_medians_us", lambda rot, kernels, x, reps, inner: (
+        (2.0, 1.0) if kernels == ("_few_row_matmul", "_amx_matmul") and x.shape[0] >= 8 else (1.0, 2.0)))
+    report = setup_int4_dispatch(nn.ModuleList([head]))
+    assert report.head_amx[0] == 8 and head.amx_from_rows == 8 and "LM head: block kernel, AMX from 8 rows" in report.describe()
+    head.drop_blocks()
+    assert head.amx_weight is None and head.gguf_blocks is None

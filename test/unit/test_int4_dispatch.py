@@ -78,7 +78,7 @@ def _costed(layer: GGUFInt4Linear, monkeypatch, int4_us, dense_us) -> None:
 
 @pytest.mark.parametrize("int4_us, dense_us, want, tried", [
     (lambda m: 100 * m, lambda m: 600, 8, [1, 2, 4, 8, 16]),  # dense wins from 8 rows
-    (lambda m: 50, lambda m: 400, None, [1, 2, 4, 8, 16, 32, 64]),  # int4 always
+    (lambda m: 50, lambda m: 400, None, list(int4_dispatch.CALIBRATION_ROWS)),  # int4 always
     # dense wins at 2 only (one noisy point), then from 16: the crossover is 16
     (lambda m: {2: 900, 16: 900, 32: 900, 64: 900}.get(m, 100), lambda m: 500, 16, [1, 2, 4, 8, 16, 32]),
 ])

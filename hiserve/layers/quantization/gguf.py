@@ -377,6 +377,15 @@ class GGUFBlockLinear(nn.Module):
         self.dense_weight: torch.Tensor | PackedLinear
         self.set_dense_weight(dense)
         self.dense_from_rows = sys.maxsize
+        # On an AMX CPU in bf16: the blocks repacked for the AMX GEMM, which calls of at least
+        # `amx_from_rows` rows take (set at start with the dense crossover; `use_amx_from`).
+        self.amx_from_rows = sys.maxsize
+        self.amx_weight: torch.Tensor | None = None
+        if self.dtype == torch.bfloat16 and self.out_features % 16 == 0 and cpu_kernels.amx_gemm_available():
+            try:
+                self.amx_weight = cpu_kernels.gguf_amx_pack(self.gguf_blocks.view(torch.uint8), self.qtype)
+            except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the block kernel serves it
+                self.amx_weight = None
 
     def set_dense_weight(self, dense: torch.Tensor | PackedLinear) -> None:
         """Point the many-row calls at `dense`, [N, K] in the model dtype or its oneDNN-packed
@@ -398,7 +407,27 @@ class GGUFBlockLinear(nn.Module):
         return self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._amx_matmul(x) if x.shape[0] >= self.amx_from_rows else self._few_row_matmul(x)
+
+    def _few_row_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.gguf_gemm(x, self.gguf_blocks, self.qtype)
+
+    def _amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gguf_amx_gemm(x, self.amx_weight)
+
+    def use_amx_from(self, rows: int | None) -> None:
+        """Calls of at least `rows` rows (below `dense_from_rows`) take the AMX GEMM; None frees
+        its records. The blocks stay (the dense crossover is timed on `_matmul` after this).
+
+        Raises:
+            ValueError: `rows` for a head without AMX records.
+        """
+        if rows is None:
+            self.amx_weight, self.amx_from_rows = None, sys.maxsize
+        elif self.amx_weight is None:
+            raise ValueError("this head keeps no AMX records (no AMX, not bf16, or N % 16 != 0)")
+        else:
+            self.amx_from_rows = rows
 
     def _dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.dense_weight)
@@ -408,8 +437,9 @@ class GGUFBlockLinear(nn.Module):
         self.dense_from_rows = sys.maxsize
 
     def drop_blocks(self) -> None:
-        """Free the blocks; every call then takes the dense weight (where it won at one row)."""
-        self.gguf_blocks, self.dense_from_rows = None, 0
+        """Free the blocks (and AMX records); every call then takes the dense weight (where it
+        won at one row)."""
+        self.gguf_blocks, self.amx_weight, self.dense_from_rows = None, None, 0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

@@ -16,11 +16,11 @@ encode one machine per tier (the thing issue 9 forbids); timing both kernels on 
 layer shapes measures exactly the quantity the choice depends on, on this process's threads, and
 costs a few tens of ms for a small model (bounded by `budget_s` for large ones).
 
-The rule, per distinct (N, K): rows M in (1, 2, 4, 8, 16, 32, 64), ascending; at each M, both
+The rule, per distinct (N, K): rows M in CALIBRATION_ROWS (1, 2, 4, ..., 1024), ascending; at each M, both
 kernels timed interleaved (`reps` samples of `inner` calls, medians, after a warm-up call); the
 crossover is the first M at which the dense GEMM is faster at M and at the next M as well (two
 in a row, so one noisy sample cannot move it down), and the search stops there. No crossover
-up to 64 rows: the few-row kernel always, and the dense copy is freed. If the time budget runs out
+up to 1024 rows: the few-row kernel always, and the dense copy is freed. If the time budget runs out
 first (a loaded machine: one start took 2.6 s), the rows not yet tried take the dense copy:
 int4 was measured better only up to the last M tried, and at prefill sizes the dense GEMM won on
 every CPU measured (2.7x at 256 rows on the EPYC), so giving it up unmeasured would cost far more.
@@ -38,6 +38,13 @@ crossover search against its dense weight (one row: 3.0 ms against 14.7 ms for f
 CPU), first and on its own budget so that a slow start cannot leave it untimed; row counts past
 the last one timed take the dense weight, and a head whose dense weight wins at one row frees
 its blocks.
+
+Where the AMX GEMM runs (an AMX CPU, a bf16 model: `cpu_kernels.gguf_amx_gemm`, which pays the
+dequantization once per call and multiplies on AMX tiles), a third kernel sits between the two:
+after the few-row kernel is chosen, the same search times it against AMX (`amx_from_rows`), then
+the pair against the dense copy. On a 2-core Xeon with AMX: AMX from 4-8 rows (0.28 against
+1.2 ms int4 and 0.6 ms dense a SmolLM2 layer at 16 rows), dense from 128-1024 rows (noisy host);
+the LM head likewise (Q8_0 records), AMX from 2-4 rows.
 
 Timing a layer's own weights call after call would measure them hot in the cache, which a
 decode step never sees (it streams every layer's weights once: 100+ MB for SmolLM2). So each
@@ -63,7 +70,12 @@ from hiserve.layers.quantization.gguf import GGUFBlockLinear, GGUFInt4Linear
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Up to a prefill chunk's size: where AMX serves the few-row calls its GEMM also beats the
+# dense copy at 64-256 rows, and loses to oneDNN's from a few hundred (a 2-core Xeon); the
+# search stops at the first crossover, so the rows past 64 are timed only where that happens.
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# The LM head sees one row per request sampled (decode batch, or the last token of each prompt).
+HEAD_CALIBRATION_ROWS = CALIBRATION_ROWS[:7]
 
 
 def dense_copy_enabled() -> bool:
@@ -84,6 +96,8 @@ class DispatchReport:
         amx: (N, K) -> (first row count that takes the AMX GEMM or None, [(M, few-row us,
             AMX us)]) for the shapes with AMX weights (AMX CPU, bf16).
         head: (crossover, timings) of the LM head's `GGUFBlockLinear`, or None.
+        head_amx: (AMX crossover, timings) of the head's block kernel against its AMX records,
+            or None (no AMX records).
         layers: GGUF int4 layers seen.
         dense_bytes: bytes of the dense copies kept.
         int4_bytes: bytes of the 4-bit weights kept (int4 codes with scales and zeros, or the
@@ -96,6 +110,7 @@ class DispatchReport:
     block_kernel: dict[tuple[int, int], tuple[bool, float, float]] = field(default_factory=dict)
     amx: dict[tuple[int, int], tuple[int | None, list[tuple[int, float, float]]]] = field(default_factory=dict)
     head: tuple[int | None, list[tuple[int, float, float]]] | None = None
+    head_amx: tuple[int | None, list[tuple[int, float, float]]] | None = None
     layers: int = 0
     dense_bytes: int = 0
     int4_bytes: int = 0
@@ -121,8 +136,10 @@ class DispatchReport:
         head = ""
         if self.head is not None:
             m = self.head[0]
-            head = ("; LM head: dense" if m == 1 else "; LM head: block kernel"
-                    + (f", dense from {m} rows" if m else f", dense from {CALIBRATION_ROWS[-1] + 1} rows (untimed)"))
+            amx = "" if self.head_amx is None else (
+                ", AMX never" if self.head_amx[0] is None else f", AMX from {self.head_amx[0]} rows")
+            head = ("; LM head: dense" if m == 1 else "; LM head: block kernel" + amx
+                    + (f", dense from {m} rows" if m else f", dense from {HEAD_CALIBRATION_ROWS[-1] + 1} rows (untimed)"))
         return (f"GGUF GEMM dispatch over {self.layers} layers, calibrated in {self.seconds * 1e3:.0f} ms "
                 f"on {torch.get_num_threads()} threads: {shapes or 'no 4-bit layers'}{head}; weights 4-bit "
                 f"{self.int4_bytes / 2**20:.0f} MiB + dense {self.dense_bytes / 2**20:.0f} MiB")
@@ -263,14 +280,19 @@ def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadl
 
 
 def _calibrate_head(head: GGUFBlockLinear, report: DispatchReport, deadline: float) -> None:
-    """The LM head's crossover: row counts past the last timed take the dense weight; a head
-    whose dense weight wins at one row frees its blocks."""
-    report.head = calibrate_crossover(head, reps=3, inner=1, deadline=deadline)
+    """The LM head's crossovers: its block kernel against its AMX records (where it has them),
+    then that pair against the dense weight; row counts past the last timed take the dense
+    weight; a head whose dense weight wins at one row frees its blocks."""
+    if head.amx_weight is not None:
+        report.head_amx = calibrate_crossover(head, HEAD_CALIBRATION_ROWS, reps=3, inner=1, deadline=deadline,
+                                              kernels=("_few_row_matmul", "_amx_matmul"))
+        head.use_amx_from(report.head_amx[0])
+    report.head = calibrate_crossover(head, HEAD_CALIBRATION_ROWS, reps=3, inner=1, deadline=deadline)
     crossover = report.head[0]
     if crossover == 1:
         head.drop_blocks()
     else:
-        head.dense_from_rows = crossover if crossover is not None else CALIBRATION_ROWS[-1] + 1
+        head.dense_from_rows = crossover if crossover is not None else HEAD_CALIBRATION_ROWS[-1] + 1
 
 
 def setup_int4_dispatch(model: nn.Module, budget_s: float = 4.0) -> DispatchReport | None:

@@ -220,20 +220,21 @@ void gguf_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorV
 // 1 where this build has the AMX GEMM and the process may use AMX tiles (gguf_amx.h), else 0.
 int64_t gguf_amx_ready() { return hiserve::cpu::amx_permitted() ? 1 : 0; }
 
-// blocks uint8 [N, K/32 * block bytes] (Q4_0: block_type 0, Q4_1: 1), N % 16 == 0 -> out uint8
-// [N/16, K/32, 320] in gguf_amx.h's record layout.
+// blocks uint8 [N, K/32 * block bytes] (Q4_0: block_type 0, Q4_1: 1, Q8_0: 2), N % 16 == 0 ->
+// out uint8 [N/16, K/32, record bytes (320, Q8_0 544)] in gguf_amx.h's record layout.
 void gguf_amx_pack(tvm::ffi::TensorView blocks, tvm::ffi::TensorView out, int64_t block_type) {
   using namespace hiserve::cpu;
-  require(block_type == 0 || block_type == 1, "block_type must be 0 (Q4_0) or 1 (Q4_1)");
+  require(block_type >= 0 && block_type <= 2, "block_type must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
   require(blocks.IsContiguous() && out.IsContiguous() && blocks.ndim() == 2 && out.ndim() == 3 &&
               blocks.dtype().bits == 8 && out.dtype().bits == 8, "blocks/out must be contiguous uint8, 2-D / 3-D");
   const int64_t N = blocks.size(0), KB = out.size(1);
-  require(N % 16 == 0 && out.size(0) == N / 16 && out.size(2) == kAmxRecord &&
-              blocks.size(1) == KB * (block_type == 0 ? 18 : 20), "out must be [N/16, K/32, 320] for blocks [N, K/32 blocks]");
+  require(N % 16 == 0 && out.size(0) == N / 16 && out.size(2) == amx_record_bytes(static_cast<int>(block_type)) &&
+              blocks.size(1) == KB * block_bytes(static_cast<BlockType>(block_type)),
+          "out must be [N/16, K/32, record bytes] for blocks [N, K/32 blocks]");
   gguf_amx_pack(ptr<uint8_t>(blocks), N, KB * 32, static_cast<int>(block_type), ptr<uint8_t>(out));
 }
 
-// x [M, K] bf16 (row stride free); packed [N/16, K/32, 320] from gguf_amx_pack; out [M, N] bf16.
+// x [M, K] bf16 (row stride free); packed [N/16, K/32, 320 or 544] from gguf_amx_pack; out [M, N] bf16.
 void gguf_amx_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi::TensorView out,
                    int64_t num_threads) {
   using namespace hiserve::cpu;
@@ -241,11 +242,12 @@ void gguf_amx_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi
   same_dtype(x, out, "out");
   require_inner_contiguous(x, "x");
   require(x.ndim() == 2 && out.ndim() == 2 && out.IsContiguous(), "x and out must be 2-D, out contiguous");
-  require(packed.IsContiguous() && packed.ndim() == 3 && packed.dtype().bits == 8 && packed.size(2) == kAmxRecord,
-          "packed must be a contiguous uint8 [N/16, K/32, 320] tensor");
+  require(packed.IsContiguous() && packed.ndim() == 3 && packed.dtype().bits == 8 &&
+              (packed.size(2) == kAmxRecord || packed.size(2) == kAmxRecordQ8),
+          "packed must be a contiguous uint8 [N/16, K/32, 320 or 544] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   require(packed.size(1) * 32 == K && out.size(0) == M && out.size(1) == N, "shapes disagree");
   if (M == 0) return;
-  gguf_amx_gemm(ptr<bf16>(x), x.stride(0), ptr<uint8_t>(packed), ptr<bf16>(out), M, N, K,
+  gguf_amx_gemm(ptr<bf16>(x), x.stride(0), ptr<uint8_t>(packed), packed.size(2) == kAmxRecordQ8, ptr<bf16>(out), M, N, K,
                 static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
