@@ -1,8 +1,8 @@
 """A/B of two checkouts with `bench_scheduler_steps.py`, interleaved, in one sitting.
 
 Runs the scheduler-level benchmark (`make serve` defaults, in process, no HTTP) with PYTHONPATH at
-the "before" checkout, then at the "after" one, `--rounds` times alternately (so a noisy host
-hits both alike), and reports the median over rounds of each figure and after / before.
+each checkout in turn, `--rounds` times, the order swapped every round (so a noisy host hits both
+alike), and reports the median over rounds of each figure and after / before.
 
     python benchmark/cpu/ab_scheduler_steps.py --before /tmp/base --after . --rounds 3 \
         --out benchmark/results/x.json
@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for _ in range(args.rounds):
-        for side in ("before", "after"):
+    for i in range(args.rounds):
+        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):  # no order bias
             runs[side].append(run_once(getattr(args, side).resolve(), sys.executable, args.bench_args.split()))
     table = {}
     print(f"{'figure':<34} {'before':>9} {'after':>9} {'after/before':>13}")
@@ -76,7 +76,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu_scheduler_steps A/B (ab_scheduler_steps.py)", "command": " ".join(sys.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": _cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "before_commit": commit_of(args.before), "after_commit": commit_of(args.after),
+            "cpu": _cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+            "before_commit": commit_of(args.before), "after_commit": commit_of(args.after),
             "bench_args": args.bench_args, "medians_over_rounds": table, "rounds": runs}, indent=1))
 
 

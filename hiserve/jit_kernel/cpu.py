@@ -40,7 +40,7 @@ CPU_FUNCTIONS = {
     "silu_and_mul": "silu(gate) * up",
     "gguf_gemm": "GEMM of a few rows by GGUF Q4/Q8_0 blocks, dequantized in registers",
     "gguf_amx_ready": "1 where this build has the AMX GEMM and the process may use AMX tiles",
-    "gguf_amx_pack": "GGUF Q4_0/Q4_1 blocks -> the AMX GEMM's 16 x 32 weight records",
+    "gguf_amx_pack": "GGUF Q4_0/Q4_1/Q8_0 blocks -> the AMX GEMM's 16 x 32 weight records",
     "gguf_amx_gemm": "GEMM of bf16 rows by AMX weight records (AMX tiles, one dequantization per call)",
 }
 # Explicit -m flags per tier (see CpuInfo.isa). prefer-vector-width=512: gcc otherwise keeps
@@ -112,9 +112,20 @@ def load_cpu_module(isa: str | None = None):
     Raises:
         RuntimeError / ImportError: tvm-ffi missing or the compiler failed.
     """
+    if isa is None and detect_cpu().isa == "amx":
+        try:
+            return _build_cpu_module("amx")
+        except Exception as exc:  # e.g. a compiler without -mamx-tile (gcc < 11): AMX is only the GEMM
+            warn_once("cpu_kernels_amx", "the AMX build of the CPU kernels failed (%s); using the avx512_bf16 "
+                      "build (no AMX GEMM)", str(exc)[-500:])
+            return _build_cpu_module("avx512_bf16")
+    return _build_cpu_module(isa or detect_cpu().isa)
+
+
+def _build_cpu_module(isa: str):
+    """Compile (first call) and load the module of one ISA tier (cached on disk by tvm-ffi)."""
     tvm_ffi = _import_tvm_ffi()
     cpu = detect_cpu()
-    isa = isa or cpu.isa
     digest = cpu_csrc_digest()
     name = f"hiserve_cpu_{digest}_{isa}"
     source = f'// csrc/cpu digest {digest}\n#include "bindings.h"\n'
@@ -397,7 +408,8 @@ def gguf_amx_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     Returns:
         [M, N] bfloat16.
     Raises:
-        ValueError: x not bf16 or shapes that disagree; RuntimeError: no AMX here.
+        ValueError: x not bf16 or shapes that disagree (checked here); RuntimeError: no AMX
+            here, or a check of the C++ side (memory safety) failed.
     """
     if not (x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
             and packed.dim() == 3 and x.shape[1] == packed.shape[1] * 32):

@@ -51,7 +51,9 @@ def test_only_the_amx_tier_is_ready():
     if not cpu_kernels.can_use_cpu_kernels():
         pytest.skip("JIT CPU kernels do not build here")
     for isa in cpu_kernels.runnable_isas():
-        assert cpu_kernels.load_cpu_module(isa).gguf_amx_ready() == (isa == "amx"), isa
+        ready = cpu_kernels.load_cpu_module(isa).gguf_amx_ready()
+        # the amx tier is ready where Linux grants AMX tile state (5.16+), as amx_gemm_available says
+        assert ready == (isa == "amx" and cpu_kernels.amx_gemm_available()), isa
 
 
 @pytest.mark.parametrize("qtype", ("Q4_0", "Q4_1", "Q8_0"))
@@ -60,7 +62,10 @@ def test_applies_ggufs_weights_rounded_to_bf16_exactly(amx, qtype):
     packed = cpu_kernels.gguf_amx_pack(_blocks(t), qtype)
     assert packed.shape == (3, 5, 544 if qtype == "Q8_0" else 320)
     eye = torch.eye(160, dtype=torch.bfloat16)
-    assert torch.equal(cpu_kernels.gguf_amx_gemm(eye, packed).t(), ref.to(torch.bfloat16))
+    assert torch.equal(cpu_kernels.gguf_amx_gemm(eye, packed).t(), ref.to(torch.bfloat16))  # many-row path
+    for r0 in range(0, 160, 48):  # one pass of <= 64 rows each: the pipelined path
+        rows = cpu_kernels.gguf_amx_gemm(eye[r0:r0 + 48], packed)
+        assert torch.equal(rows.t(), ref[:, r0:r0 + 48].to(torch.bfloat16)), r0
 
 
 @pytest.mark.parametrize("qtype", ("Q4_1", "Q8_0"))
@@ -74,6 +79,44 @@ def test_products_of_any_row_count_and_strided_rows(amx, rows, qtype):
     want = x.float() @ ref.to(torch.bfloat16).float().t()
     # float32 sums of exact bf16 products; the output is rounded to bf16 once
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
+
+
+def test_more_threads_than_columns(amx):
+    t, ref = _tensor("Q4_1", 16, 64)  # one 16-feature column for 4 threads
+    packed = cpu_kernels.gguf_amx_pack(_blocks(t), "Q4_1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for rows in (3, 100):
+            x = torch.eye(64, dtype=torch.bfloat16).repeat(2, 1)[:rows]
+            assert torch.equal(cpu_kernels.gguf_amx_gemm(x, packed), x @ ref.to(torch.bfloat16).t()), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torch_amx_kernels_around_it_keep_working(amx):
+    """oneDNN / PyTorch AMX kernels (SDPA's flash attention, int4, bf16 GEMM) and this kernel
+    interleaved on the same OpenMP threads: each keeps its tile state valid (no #UD) and results."""
+    q = torch.randn(1, 4, 256, 64).to(torch.bfloat16)
+    x = torch.randn(64, 576).to(torch.bfloat16)
+    w = torch.randn(1152, 576).to(torch.bfloat16)
+    t, ref = _tensor("Q4_1", 64, 576)
+    packed = cpu_kernels.gguf_amx_pack(_blocks(t), "Q4_1")
+    first = (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), x @ w.t(),
+             cpu_kernels.gguf_amx_gemm(x, packed))
+    for _ in range(3):
+        again = (torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), x @ w.t(),
+                 cpu_kernels.gguf_amx_gemm(x, packed))
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_q4_0_scale_past_fp16_offset_is_refused(amx):
+    t, _ = _tensor("Q4_0", 16, 32)
+    blocks = _blocks(t).clone()
+    blocks[3, :2] = torch.tensor(np.array([10000.0], dtype=np.float16).view(np.uint8))  # d = 10000: -8 d overflows
+    with pytest.raises(RuntimeError, match="too large"):
+        cpu_kernels.gguf_amx_pack(blocks, "Q4_0")
 
 
 def test_rejects_bad_input(amx):
@@ -95,6 +138,7 @@ def _bf16_layer(n: int = 64, k: int = 96, seed: int = 0) -> tuple[GGUFInt4Linear
     t, ref = _tensor("Q4_1", n, k, seed=seed)
     layer.load_rows(0, t)
     layer.finalize()
+    layer.prepare_amx()
     return layer, ref
 
 
@@ -129,6 +173,8 @@ def test_setup_sets_the_amx_crossover_from_timings(amx, monkeypatch, amx_wins_fr
     monkeypatch.setattr(int4_dispatch, "_medians_us", medians)
     layers = [_bf16_layer(seed=i)[0] for i in range(2)]
     report = setup_int4_dispatch(nn.ModuleList(layers))
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    layers[0](x)  # a real call after the choice (freed copies must not be reached)
     assert report.amx[(64, 96)][0] == amx_wins_from
     for layer in layers:
         assert (layer.amx_weight is None) == (amx_wins_from is None)
@@ -140,7 +186,8 @@ def test_setup_sets_the_amx_crossover_from_timings(amx, monkeypatch, amx_wins_fr
 def test_head_takes_amx_between_its_block_kernel_and_dense_weight(amx, monkeypatch):
     t, ref = _tensor("Q8_0", 64, 96)
     head = GGUFBlockLinear(t, ref.to(torch.bfloat16))
-    assert head.amx_weight is not None and head.amx_weight.shape == (4, 3, 544)
+    assert head.amx_weight is None and head.prepare_amx()  # packed on demand (at start-up calibration)
+    assert head.amx_weight.shape == (4, 3, 544)
     head.use_amx_from(4)
     w = ref.to(torch.bfloat16).float()
     for rows in (1, 4, 9):
@@ -151,6 +198,72 @@ def test_head_takes_amx_between_its_block_kernel_and_dense_weight(amx, monkeypat
     monkeypatch.setattr(int4_dispatch, "_medians_us", lambda rot, kernels, x, reps, inner: (
         (2.0, 1.0) if kernels == ("_few_row_matmul", "_amx_matmul") and x.shape[0] >= 8 else (1.0, 2.0)))
     report = setup_int4_dispatch(nn.ModuleList([head]))
-    assert report.head_amx[0] == 8 and head.amx_from_rows == 8 and "LM head: block kernel, AMX from 8 rows" in report.describe()
+    assert report.head_amx[0] == 8 and head.amx_from_rows == 8
+    assert "LM head: block kernel, AMX from 8 rows" in report.describe()
     head.drop_blocks()
     assert head.amx_weight is None and head.gguf_blocks is None
+
+
+@pytest.fixture
+def fake_amx(monkeypatch):
+    """The AMX entry points replaced by a dense reference, so the routing and calibration run on
+    any CPU (the real kernel's tests above need an AMX CPU). Records the rows of each call."""
+    if not cpu_kernels.can_use_cpu_kernels():
+        pytest.skip("JIT CPU kernels do not build here (layers keep no GGUF blocks)")
+    calls: list[int] = []
+
+    def pack(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+        n = blocks.shape[0]
+        w = dequantize(blocks.numpy(), GGMLQuantizationType[qtype])
+        return torch.from_numpy(np.array(w)).reshape(n, -1).to(torch.bfloat16)
+
+    def gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return (x.float() @ packed.float().t()).to(torch.bfloat16)
+
+    monkeypatch.setattr(cpu_kernels, "amx_gemm_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "gguf_amx_pack", pack)
+    monkeypatch.setattr(cpu_kernels, "gguf_amx_gemm", gemm)
+    return calls
+
+
+def test_routing_between_the_three_kernels_on_any_cpu(fake_amx, monkeypatch):
+    layer, ref = _bf16_layer()
+    layer.use_amx_from(4)
+    layer.dense_from_rows = 32
+    for rows, amx_called in ((1, False), (3, False), (4, True), (31, True), (32, False)):
+        fake_amx.clear()
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        want = x.float() @ ref.to(torch.bfloat16).float().t()
+        torch.testing.assert_close(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        assert fake_amx == ([rows] if amx_called else []), rows
+    layer.use_amx_from(1)
+    with pytest.raises(ValueError, match="freed"):
+        layer.use_amx_from(None)  # the few-row copy is gone: AMX must stay
+    monkeypatch.setattr(cpu_kernels, "amx_gemm_available", lambda: False)
+    fresh = GGUFInt4Linear(96, 64, bias=False, dtype=torch.bfloat16)
+    fresh.load_rows(0, _tensor("Q4_1", 64, 96)[0])
+    fresh.finalize()
+    assert not fresh.prepare_amx() and fresh.amx_weight is None  # no AMX: nothing packed
+
+
+@pytest.mark.parametrize("deadline_hits", (False, True))
+def test_dense_copy_keeps_its_range_or_gives_amx_the_untried_rows(fake_amx, monkeypatch, deadline_hits):
+    """AMX wins from 4 rows, dense from 256 (fake timings). With no time left after the first
+    row count, the AMX search gives AMX the untried rows and the dense search keeps them there."""
+    def medians(rot, kernels, x, reps, inner):
+        m = x.shape[0]
+        if kernels == ("_few_row_matmul", "_amx_matmul"):
+            return (2.0, 1.0) if m >= 4 else (1.0, 2.0)
+        if kernels == ("_matmul", "_dense_matmul"):
+            return (2.0, 1.0) if m >= 256 else (1.0, 2.0)
+        return (1.0, 2.0)
+
+    monkeypatch.setattr(int4_dispatch, "_medians_us", medians)
+    layers = [_bf16_layer(seed=i)[0] for i in range(2)]
+    report = setup_int4_dispatch(nn.ModuleList(layers), budget_s=0.0 if deadline_hits else 60.0)
+    want_amx, want_dense = (2, None) if deadline_hits else (4, 256)
+    assert report.amx[(64, 96)][0] == want_amx and report.crossover[(64, 96)] == want_dense
+    for layer in layers:
+        assert layer.amx_from_rows == want_amx and layer.amx_weight is not None
+        assert (layer.dense_weight is None) == (want_dense is None)

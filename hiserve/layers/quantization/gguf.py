@@ -244,29 +244,39 @@ class GGUFInt4Linear(nn.Module):
                 self.dense_weight = dense
                 self._dense_call = functools.partial(dense_linear, weight=dense)
         self.gguf_blocks = self._blocks
-        self.amx_weight = self._pack_amx()
         self._codes = self._scale = self._zero = self._dense = self._blocks = None
 
-    def _pack_amx(self) -> torch.Tensor | None:
-        """The blocks repacked for the AMX GEMM, where it runs (AMX CPU, bf16, N % 16 == 0)."""
-        if (self._blocks is None or self.dtype != torch.bfloat16 or self.out_features % 16
-                or not cpu_kernels.amx_gemm_available()):
-            return None
-        try:
-            return cpu_kernels.gguf_amx_pack(self._blocks, self.qtype)
-        except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the other kernels serve it
-            return None
+    def prepare_amx(self) -> bool:
+        """Repack the blocks for the AMX GEMM where it runs (AMX CPU, bf16, N % 16 == 0, blocks
+        kept: call before `use_block_kernel(False)` frees them); True when the layer has AMX
+        weights. `int4_dispatch` calls it at start, before choosing the few-row kernel.
+
+        Raises:
+            ValueError: before `finalize()`.
+        """
+        if self._codes is not None:
+            raise ValueError("prepare_amx before finalize()")
+        if (self.amx_weight is None and self.gguf_blocks is not None and self.dtype == torch.bfloat16
+                and self.out_features % 16 == 0 and cpu_kernels.amx_gemm_available()):
+            try:
+                self.amx_weight = cpu_kernels.gguf_amx_pack(self.gguf_blocks, self.qtype)
+            except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the other kernels serve it
+                self.amx_weight = None
+        return self.amx_weight is not None
 
     def use_amx_from(self, rows: int | None) -> None:
         """Calls of at least `rows` rows (below `dense_from_rows`) take the AMX GEMM; None frees
         its weights, 1 frees the few-row kernel's (every call below the dense copy is AMX).
 
         Raises:
-            ValueError: before `finalize()`, or `rows` for a layer without AMX weights.
+            ValueError: before `finalize()`; `rows` for a layer without AMX weights; None once
+                1 freed the few-row kernel's weights.
         """
         if self._codes is not None:
             raise ValueError("use_amx_from before finalize()")
         if rows is None:
+            if self.amx_from_rows == 0:
+                raise ValueError("the few-row kernel's weights were freed (use_amx_from(1)): AMX must stay")
             self.amx_weight, self.amx_from_rows = None, sys.maxsize
             return
         if self.amx_weight is None:
@@ -300,7 +310,7 @@ class GGUFInt4Linear(nn.Module):
         self.dense_weight, self._dense_call, self.dense_from_rows = None, None, sys.maxsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # dense_from_rows is sys.maxsize while there is no dense copy
+        # dense_from_rows is sys.maxsize while there is no dense copy (amx_from_rows likewise)
         y = self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
         return y if self._bias is None else y + self._bias
 
@@ -328,7 +338,8 @@ class GGUFInt4Linear(nn.Module):
 
     @torch.no_grad()
     def effective_weight(self) -> torch.Tensor:
-        """The weight [N, K] the few-row kernel multiplies by (it applied to an identity), in `dtype`."""
+        """The weight [N, K] the kernels below the dense copy multiply by (an identity of K rows
+        through `_matmul`: the AMX GEMM where it takes K rows, else the few-row kernel), in `dtype`."""
         eye = torch.eye(self.in_features, dtype=self.dtype)
         return self._matmul(eye).t().contiguous()
 
@@ -357,7 +368,9 @@ class GGUFBlockLinear(nn.Module):
     Calls with fewer than `dense_from_rows` rows run the JIT block kernel on the file's blocks
     (a few rows: the logits of a decode step read 4x fewer bytes from Q8_0 than from float32);
     the rest the dense weight. The threshold is calibrated at start
-    (`int4_dispatch.setup_int4_dispatch`); until then every call takes the block kernel.
+    (`int4_dispatch.setup_int4_dispatch`); until then every call takes the block kernel. On an
+    AMX CPU in bf16 the head also keeps its blocks repacked for `cpu_kernels.gguf_amx_gemm`
+    (`amx_weight`), which calls of `amx_from_rows` rows up to the dense threshold take.
 
     Args:
         tensor: the weight's blocks, [N, K] logical, K % 32 == 0.
@@ -381,11 +394,6 @@ class GGUFBlockLinear(nn.Module):
         # `amx_from_rows` rows take (set at start with the dense crossover; `use_amx_from`).
         self.amx_from_rows = sys.maxsize
         self.amx_weight: torch.Tensor | None = None
-        if self.dtype == torch.bfloat16 and self.out_features % 16 == 0 and cpu_kernels.amx_gemm_available():
-            try:
-                self.amx_weight = cpu_kernels.gguf_amx_pack(self.gguf_blocks.view(torch.uint8), self.qtype)
-            except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the block kernel serves it
-                self.amx_weight = None
 
     def set_dense_weight(self, dense: torch.Tensor | PackedLinear) -> None:
         """Point the many-row calls at `dense`, [N, K] in the model dtype or its oneDNN-packed
@@ -415,17 +423,32 @@ class GGUFBlockLinear(nn.Module):
     def _amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.gguf_amx_gemm(x, self.amx_weight)
 
+    def prepare_amx(self) -> bool:
+        """Repack the blocks for the AMX GEMM where it runs (AMX CPU, bf16, N % 16 == 0); True
+        when the head has AMX records. `int4_dispatch` calls it at start."""
+        if (self.amx_weight is None and self.gguf_blocks is not None and self.dtype == torch.bfloat16
+                and self.out_features % 16 == 0 and cpu_kernels.amx_gemm_available()):
+            try:
+                self.amx_weight = cpu_kernels.gguf_amx_pack(self.gguf_blocks, self.qtype)
+            except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the block kernel serves it
+                self.amx_weight = None
+        return self.amx_weight is not None
+
     def use_amx_from(self, rows: int | None) -> None:
         """Calls of at least `rows` rows (below `dense_from_rows`) take the AMX GEMM; None frees
-        its records. The blocks stay (the dense crossover is timed on `_matmul` after this).
+        its records, 1 frees the blocks (every call below the dense weight is AMX).
 
         Raises:
-            ValueError: `rows` for a head without AMX records.
+            ValueError: `rows` for a head without AMX records; None once 1 freed the blocks.
         """
+        if rows is None and self.amx_from_rows == 0 and self.dense_from_rows > 0:
+            raise ValueError("the head's blocks were freed (use_amx_from(1)): AMX must stay")
         if rows is None:
             self.amx_weight, self.amx_from_rows = None, sys.maxsize
         elif self.amx_weight is None:
             raise ValueError("this head keeps no AMX records (no AMX, not bf16, or N % 16 != 0)")
+        elif rows <= 1:
+            self.amx_from_rows, self.gguf_blocks = 0, None
         else:
             self.amx_from_rows = rows
 

@@ -44,7 +44,11 @@ dequantization once per call and multiplies on AMX tiles), a third kernel sits b
 after the few-row kernel is chosen, the same search times it against AMX (`amx_from_rows`), then
 the pair against the dense copy. On a 2-core Xeon with AMX: AMX from 4-8 rows (0.28 against
 1.2 ms int4 and 0.6 ms dense a SmolLM2 layer at 16 rows), dense from 128-1024 rows (noisy host);
-the LM head likewise (Q8_0 records), AMX from 2-4 rows.
+the LM head likewise (Q8_0 records), AMX from 2-4 rows. The AMX records are packed per shape at
+calibration, before the few-row choice frees the file's blocks; a shape where AMX never wins, or
+where the dense copy wins before AMX would start, frees them. When the budget runs out, untried
+rows take AMX in its search and stay with it in the dense search (it beat the dense copy up to
+hundreds of rows), unless dense already won twice.
 
 Timing a layer's own weights call after call would measure them hot in the cache, which a
 decode step never sees (it streams every layer's weights once: 100+ MB for SmolLM2). So each
@@ -70,12 +74,10 @@ from hiserve.layers.quantization.gguf import GGUFBlockLinear, GGUFInt4Linear
 
 logger = logging.getLogger(__name__)
 
-# Up to a prefill chunk's size: where AMX serves the few-row calls its GEMM also beats the
-# dense copy at 64-256 rows, and loses to oneDNN's from a few hundred (a 2-core Xeon); the
-# search stops at the first crossover, so the rows past 64 are timed only where that happens.
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# The LM head sees one row per request sampled (decode batch, or the last token of each prompt).
-HEAD_CALIBRATION_ROWS = CALIBRATION_ROWS[:7]
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Shapes with AMX weights, up to a prefill chunk's size: the AMX GEMM also beats the dense copy
+# at 64-256 rows and loses to oneDNN's from a few hundred (a 2-core Xeon).
+AMX_CALIBRATION_ROWS = CALIBRATION_ROWS + (128, 256, 512, 1024)
 
 
 def dense_copy_enabled() -> bool:
@@ -139,7 +141,7 @@ class DispatchReport:
             amx = "" if self.head_amx is None else (
                 ", AMX never" if self.head_amx[0] is None else f", AMX from {self.head_amx[0]} rows")
             head = ("; LM head: dense" if m == 1 else "; LM head: block kernel" + amx
-                    + (f", dense from {m} rows" if m else f", dense from {HEAD_CALIBRATION_ROWS[-1] + 1} rows (untimed)"))
+                    + (f", dense from {m} rows" if m else f", dense from {CALIBRATION_ROWS[-1] + 1} rows (untimed)"))
         return (f"GGUF GEMM dispatch over {self.layers} layers, calibrated in {self.seconds * 1e3:.0f} ms "
                 f"on {torch.get_num_threads()} threads: {shapes or 'no 4-bit layers'}{head}; weights 4-bit "
                 f"{self.int4_bytes / 2**20:.0f} MiB + dense {self.dense_bytes / 2**20:.0f} MiB")
@@ -180,7 +182,7 @@ def _medians_us(rot: _Rotation, kernels: tuple[str, str], x: torch.Tensor, reps:
 @torch.inference_mode()
 def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int, ...] = CALIBRATION_ROWS,
                         reps: int = 5, inner: int = 3, deadline: float | None = None,
-                        kernels: tuple[str, str] = ("_matmul", "_dense_matmul"),
+                        kernels: tuple[str, str] = ("_matmul", "_dense_matmul"), untried_to_second: bool = True,
                         ) -> tuple[int | None, list[tuple[int, float, float]]]:
     """Time a layer's few-row kernel (`_matmul`) against its dense weight at growing row counts
     (or any two of its kernels, `kernels`: the second is the one for many rows).
@@ -191,6 +193,10 @@ def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int,
         rows: row counts M to try, ascending.
         reps, inner: samples per kernel and M, calls per sample (medians over samples).
         deadline: `time.perf_counter()` value after which no further M is tried.
+        kernels: the few-row and the many-row method names timed.
+        untried_to_second: where `deadline` stops the search, the rows not tried take the second
+            kernel (True) or stay with the first unless it was already beaten (False: the
+            dense copy after an AMX GEMM, which beat it up to hundreds of rows).
     Returns:
         (the first M where dense is faster at M and the next M, or the last M tried if dense
         is faster there; the next untried M when `deadline` stopped the search first; None when
@@ -216,7 +222,7 @@ def calibrate_crossover(layer: nn.Module | Sequence[nn.Module], rows: tuple[int,
         else:
             candidate = None
         if deadline is not None and time.perf_counter() > deadline and i + 1 < len(rows):
-            return (candidate if candidate is not None else rows[i + 1]), timings
+            return (candidate if candidate is not None or not untried_to_second else rows[i + 1]), timings
     return candidate, timings
 
 
@@ -254,6 +260,7 @@ def _bytes(t: torch.Tensor | nn.Module | None) -> int:
 def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadline: float) -> None:
     """Few-row kernel, then its crossover with the dense copy, for the layers of one shape."""
     shape = (layers[0].out_features, layers[0].in_features)
+    amx_ready = all(m.prepare_amx() for m in layers)  # packed from the blocks before a choice frees them
     if (all(m.gguf_blocks is not None for m in layers) and layers[0].dtype in (torch.float32, torch.bfloat16)
             and cpu_kernels.can_use_cpu_kernels()):
         report.block_kernel[shape] = choose_few_row_kernel(layers)
@@ -261,44 +268,64 @@ def _calibrate_shape(layers: list[GGUFInt4Linear], report: DispatchReport, deadl
         for layer in layers:
             if layer.gguf_blocks is not None:
                 layer.use_block_kernel(False)
-    if all(m.amx_weight is not None for m in layers):
-        report.amx[shape] = calibrate_crossover(layers, deadline=deadline, kernels=("_few_row_matmul", "_amx_matmul"))
-        for layer in layers:
-            layer.use_amx_from(report.amx[shape][0])
+    amx = _calibrate_amx(layers, report, shape, deadline, amx_ready)
     crossover = None
     if all(m.dense_weight is not None for m in layers):
-        crossover, report.timings_us[shape] = calibrate_crossover(layers, deadline=deadline)
+        crossover, report.timings_us[shape] = calibrate_crossover(
+            layers, AMX_CALIBRATION_ROWS if amx else CALIBRATION_ROWS, deadline=deadline, untried_to_second=not amx)
     report.crossover[shape] = crossover
     for layer in layers:
         if crossover is None:
             layer.drop_dense_copy()
         else:
             layer.dense_from_rows = crossover
+            if amx and 1 <= crossover <= layer.amx_from_rows:
+                layer.use_amx_from(None)  # the dense copy takes every row count AMX would
         report.dense_bytes += _bytes(layer.dense_weight)
         report.int4_bytes += (_bytes(layer.packed_weight) + _bytes(layer.scales_and_zeros) + _bytes(layer.gguf_blocks)
                               + _bytes(layer.amx_weight))
+
+
+def _calibrate_amx(layers: list[GGUFInt4Linear], report: DispatchReport, shape: tuple[int, int],
+                   deadline: float, ready: bool) -> bool:
+    """Time the shape's AMX weights (`ready`: every layer has them) against the few-row kernel;
+    True when the shape keeps them. (Packed per shape at calibration, not at load, so that the
+    file's blocks, the int4 copy and the AMX records coexist for one shape's layers at most.)"""
+    if not ready:  # every layer of the shape, or none
+        for layer in layers:
+            layer.use_amx_from(None)
+        return False
+    report.amx[shape] = calibrate_crossover(layers, AMX_CALIBRATION_ROWS, deadline=deadline,
+                                            kernels=("_few_row_matmul", "_amx_matmul"))
+    for layer in layers:
+        layer.use_amx_from(report.amx[shape][0])
+    return report.amx[shape][0] is not None
 
 
 def _calibrate_head(head: GGUFBlockLinear, report: DispatchReport, deadline: float) -> None:
     """The LM head's crossovers: its block kernel against its AMX records (where it has them),
     then that pair against the dense weight; row counts past the last timed take the dense
     weight; a head whose dense weight wins at one row frees its blocks."""
-    if head.amx_weight is not None:
-        report.head_amx = calibrate_crossover(head, HEAD_CALIBRATION_ROWS, reps=3, inner=1, deadline=deadline,
+    if head.prepare_amx():
+        report.head_amx = calibrate_crossover(head, reps=3, inner=1, deadline=deadline,
                                               kernels=("_few_row_matmul", "_amx_matmul"))
         head.use_amx_from(report.head_amx[0])
-    report.head = calibrate_crossover(head, HEAD_CALIBRATION_ROWS, reps=3, inner=1, deadline=deadline)
+    report.head = calibrate_crossover(head, reps=3, inner=1, deadline=deadline,
+                                      untried_to_second=head.amx_weight is None)
     crossover = report.head[0]
     if crossover == 1:
         head.drop_blocks()
     else:
-        head.dense_from_rows = crossover if crossover is not None else HEAD_CALIBRATION_ROWS[-1] + 1
+        head.dense_from_rows = crossover if crossover is not None else CALIBRATION_ROWS[-1] + 1
+        if head.amx_weight is not None and 1 <= head.dense_from_rows <= head.amx_from_rows:
+            head.use_amx_from(None)  # the dense weight takes every row count AMX would
 
 
 def setup_int4_dispatch(model: nn.Module, budget_s: float = 4.0) -> DispatchReport | None:
     """Per distinct shape of `model`'s GGUF int4 layers: pick the few-row kernel (block or
-    int4), calibrate its crossover with the dense copy, set `dense_from_rows` on every layer
-    and free what is never used; the same crossover for the LM head's block kernel. Logs once.
+    int4), on AMX CPUs its crossover with the AMX GEMM, then the crossover with the dense
+    copy; set the thresholds on every layer and free what is never used; the same for the LM
+    head's block kernel. Logs once.
 
     Args:
         model: a loaded model (its GGUF int4 layers finalized).

@@ -248,6 +248,7 @@ void gguf_amx_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   require(packed.size(1) * 32 == K && out.size(0) == M && out.size(1) == N, "shapes disagree");
   if (M == 0) return;
-  gguf_amx_gemm(ptr<bf16>(x), x.stride(0), ptr<uint8_t>(packed), packed.size(2) == kAmxRecordQ8, ptr<bf16>(out), M, N, K,
+  const bool q8 = packed.size(2) == kAmxRecordQ8;
+  gguf_amx_gemm(ptr<bf16>(x), x.stride(0), ptr<uint8_t>(packed), q8, ptr<bf16>(out), M, N, K,
                 static_cast<int>(std::max<int64_t>(1, num_threads)));
 }

@@ -1,4 +1,4 @@
-// GEMM of bf16 activation rows by a GGUF Q4_0/Q4_1 weight on Intel AMX: each 16 x 32 weight
+// GEMM of bf16 activation rows by a GGUF Q4_0/Q4_1/Q8_0 weight on Intel AMX: each 16 x 32 weight
 // tile is dequantized once into a bf16 tile in L1 and multiplied by up to 64 rows with
 // TDPBF16PS (Intel SDM vol. 2, "Intel AMX instructions"; the tile layout of the Intel
 // Optimization Reference Manual, ch. 20). y[r, n] = sum_k x[r, k] * w[n, k].
@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 
 #include "common.h"
@@ -263,11 +264,15 @@ inline void gguf_amx_gemm(const bf16* x, int64_t ldx, const uint8_t* packed, boo
   if (!amx_permitted()) throw std::runtime_error("the kernel refused AMX tile state (arch_prctl XTILEDATA)");
   const int64_t KB = K / 32, NT = N / 16, rb = q8 ? kAmxRecordQ8 : kAmxRecord;
   const bool many = M > kAmxPassRows;
+  // Many rows: a column's tile images per thread, allocated here so that no allocation can
+  // fail (and throw) inside the parallel region.
+  uint16_t* cols = many ? static_cast<uint16_t*>(std::aligned_alloc(64, num_threads * KB * 1024)) : nullptr;
+  if (many && cols == nullptr) throw std::bad_alloc();
 #pragma omp parallel num_threads(num_threads)
   {
     alignas(64) uint16_t ring[4][512];
     alignas(64) float cbuf[kAmxPassRows * 16];
-    uint16_t* col = many ? static_cast<uint16_t*>(std::aligned_alloc(64, KB * 1024)) : nullptr;
+    uint16_t* col = many ? cols + omp_get_thread_num() * KB * 512 : nullptr;
     int64_t config[2] = {-1, -1};
     if (!many) {
       const int64_t chunks = (M + 15) / 16;
@@ -287,8 +292,8 @@ inline void gguf_amx_gemm(const bf16* x, int64_t ldx, const uint8_t* packed, boo
         amx_column_pipelined<false>(x, ldx, recs, KB, chunks, last, ring, cbuf, out, N, t);
     }
     _tile_release();
-    std::free(col);
   }
+  std::free(cols);
 }
 
 #else  // not an AMX build: the Python side never calls these (it checks the tier first)
