@@ -4,8 +4,10 @@ Builds the scheduler as the server does (`bench_scheduler_steps.Driver`), runs `
 requests of `--prompt` tokens into steady decode, times `--steps` decode steps (wall clock), then
 runs as many again under `torch.profiler` and prints its operator table (self CPU time, so a
 oneDNN GEMM and the Python around it are told apart) plus the share of the step each operator
-takes. Run it on a quiet machine: under CPU contention an OpenMP team's barriers stretch every
-parallel operator.
+takes, then as many again under `cProfile`: hiserve's own C++ kernels (attention, AMX and block
+GEMMs, norms) are called through tvm-ffi, not as torch operators, so only the Python profile
+sees them (by the wrapper in `hiserve/jit_kernel/cpu.py` that calls each). Run it on a quiet
+machine: under CPU contention an OpenMP team's barriers stretch every parallel operator.
 
     PYTHONPATH=$PWD python benchmark/cpu/profile_decode_step.py --batch 16 [--out x.json]
 """
@@ -48,6 +50,22 @@ def profile_steps(d: Driver, steps: int, rows: int) -> tuple[str, list[dict], fl
     return avg.table(sort_by="self_cpu_time_total", row_limit=rows), ops, total_us / steps / 1e3
 
 
+def python_profile(d: Driver, steps: int, rows: int) -> list[dict]:
+    """cProfile's functions by own time over `steps` decode steps (ms a step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        d.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim calls, own s, cum s, callers)
+    top = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:rows]
+    return [{"function": f"{Path(f).name}:{ln}({name})", "calls_per_step": v[0] / steps,
+             "own_ms_per_step": v[2] / steps * 1e3} for (f, ln, name), v in top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -62,7 +80,7 @@ def main() -> None:
 
     d = Driver(time.perf_counter, dtype=args.dtype, quantization=args.quantization)
     shared_prefix(d, num=4)  # warm-up: kernels built, allocator primed
-    steady_decode(d, args.batch, args.prompt, out=3 * args.steps + 8)
+    steady_decode(d, args.batch, args.prompt, out=4 * args.steps + 8)
     wall = [d.step()[1] for _ in range(args.steps)]
     table, ops, prof_ms = profile_steps(d, args.steps, args.rows)
     print(table)
@@ -72,6 +90,10 @@ def main() -> None:
     for op in ops[:12]:
         print(f"  {op['op']:<40} {op['calls_per_step']:6.0f} calls {op['self_ms_per_step']:8.2f} ms "
               f"{100 * op['share']:5.1f} %")
+    funcs = python_profile(d, args.steps, args.rows)
+    print("Python profile (own time; C++ kernels under the wrapper that calls them):")
+    for f in funcs[:15]:
+        print(f"  {f['function']:<60} {f['calls_per_step']:6.0f} calls {f['own_ms_per_step']:8.2f} ms")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu_profile_decode_step", "command": " ".join(sys.argv),
@@ -79,7 +101,7 @@ def main() -> None:
             "cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "flags": {"dtype": d.sched.server_args.dtype, "quantization": d.sched.server_args.quantization},
             "batch": args.batch, "prompt": args.prompt, "step_ms_wall": wall, "step_ms_median": step_ms,
-            "profiled_self_ms_per_step": prof_ms, "top_ops": ops}, indent=1))
+            "profiled_self_ms_per_step": prof_ms, "top_ops": ops, "python_profile": funcs}, indent=1))
 
 
 if __name__ == "__main__":
