@@ -62,8 +62,8 @@ def test_applies_ggufs_weights_rounded_to_bf16_exactly(amx, qtype):
     packed = cpu_kernels.gguf_amx_pack(_blocks(t), qtype)
     assert packed.shape == (3, 5, 544 if qtype == "Q8_0" else 320)
     eye = torch.eye(160, dtype=torch.bfloat16)
-    assert torch.equal(cpu_kernels.gguf_amx_gemm(eye, packed).t(), ref.to(torch.bfloat16))  # many-row path
-    for r0 in range(0, 160, 48):  # one pass of <= 64 rows each: the pipelined path
+    assert torch.equal(cpu_kernels.gguf_amx_gemm(eye, packed).t(), ref.to(torch.bfloat16))  # 3 passes
+    for r0 in range(0, 160, 48):  # one pass each
         rows = cpu_kernels.gguf_amx_gemm(eye[r0:r0 + 48], packed)
         assert torch.equal(rows.t(), ref[:, r0:r0 + 48].to(torch.bfloat16)), r0
 

@@ -20,7 +20,7 @@ The rule, per distinct (N, K): rows M in CALIBRATION_ROWS (1, 2, 4, ..., 1024), 
 kernels timed interleaved (`reps` samples of `inner` calls, medians, after a warm-up call); the
 crossover is the first M at which the dense GEMM is faster at M and at the next M as well (two
 in a row, so one noisy sample cannot move it down), and the search stops there. No crossover
-up to 1024 rows: the few-row kernel always, and the dense copy is freed. If the time budget runs out
+up to the last row count (64; 1024 for shapes with AMX weights): the few-row kernel always, and the dense copy is freed. If the time budget runs out
 first (a loaded machine: one start took 2.6 s), the rows not yet tried take the dense copy:
 int4 was measured better only up to the last M tried, and at prefill sizes the dense GEMM won on
 every CPU measured (2.7x at 256 rows on the EPYC), so giving it up unmeasured would cost far more.
