@@ -123,6 +123,17 @@ def _dequantize_fields(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     return w.reshape(rows, -1)
 
 
+def _amx_records(blocks: torch.Tensor | None, qtype: str | None, dtype: torch.dtype,
+                 out_features: int) -> torch.Tensor | None:
+    """`blocks` repacked for the AMX GEMM where it runs (AMX CPU, bf16, N % 16 == 0), else None."""
+    if blocks is None or dtype != torch.bfloat16 or out_features % 16 or not cpu_kernels.amx_gemm_available():
+        return None
+    try:
+        return cpu_kernels.gguf_amx_pack(blocks, qtype)
+    except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the other kernels serve it
+        return None
+
+
 class GGUFInt4Linear(nn.Module):
     """y = x @ W^T + b with W held as int4 codes and per-32 scale/zero (PyTorch's CPU int4 GEMM),
     and optionally a dense copy of the same dequantized W for calls with many rows.
@@ -256,12 +267,8 @@ class GGUFInt4Linear(nn.Module):
         """
         if self._codes is not None:
             raise ValueError("prepare_amx before finalize()")
-        if (self.amx_weight is None and self.gguf_blocks is not None and self.dtype == torch.bfloat16
-                and self.out_features % 16 == 0 and cpu_kernels.amx_gemm_available()):
-            try:
-                self.amx_weight = cpu_kernels.gguf_amx_pack(self.gguf_blocks, self.qtype)
-            except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the other kernels serve it
-                self.amx_weight = None
+        if self.amx_weight is None:
+            self.amx_weight = _amx_records(self.gguf_blocks, self.qtype, self.dtype, self.out_features)
         return self.amx_weight is not None
 
     def use_amx_from(self, rows: int | None) -> None:
@@ -426,12 +433,8 @@ class GGUFBlockLinear(nn.Module):
     def prepare_amx(self) -> bool:
         """Repack the blocks for the AMX GEMM where it runs (AMX CPU, bf16, N % 16 == 0); True
         when the head has AMX records. `int4_dispatch` calls it at start."""
-        if (self.amx_weight is None and self.gguf_blocks is not None and self.dtype == torch.bfloat16
-                and self.out_features % 16 == 0 and cpu_kernels.amx_gemm_available()):
-            try:
-                self.amx_weight = cpu_kernels.gguf_amx_pack(self.gguf_blocks, self.qtype)
-            except RuntimeError:  # a Q4_0 scale the fp16 offset cannot hold: the block kernel serves it
-                self.amx_weight = None
+        if self.amx_weight is None:
+            self.amx_weight = _amx_records(self.gguf_blocks, self.qtype, self.dtype, self.out_features)
         return self.amx_weight is not None
 
     def use_amx_from(self, rows: int | None) -> None:
