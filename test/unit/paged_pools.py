@@ -34,6 +34,16 @@ class Pools:
             pages.append(self.free_pages.pop())
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def share_prefix(self, name: str, parent: str, length: int) -> None:
+        """Start request `name` on `parent`'s first `length` tokens (whole pages), as a radix
+        cache hit does: the same pool slots, its own req_to_token row."""
+        assert length % self.page_size == 0 and length <= self.lens[parent]
+        self.rows[name] = self.req_to_token_pool.alloc(1)[0]
+        self.pages[name] = self.pages[parent][: length // self.page_size]
+        self.lens[name] = length
+        src = self.req_to_token_pool.req_to_token[self.rows[parent], :length]
+        self.req_to_token_pool.req_to_token[self.rows[name], :length] = src
+
     def batch(self, mode: ForwardMode, new_lens: dict[str, int], backend) -> ForwardBatch:
         """Append `new_lens[name]` tokens to each named request (new names start empty)."""
         out_cache_loc, positions, prefix, seq = [], [], [], []

@@ -19,8 +19,10 @@ logged once):
   new tokens take the kernel (its dpbf16 tiles on a bf16 pool where the build has AVX512-BF16,
   AMX CPUs included; else its fp32 loops); a fresh prompt attends only over its own new
   tokens, which are the k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on
-  them directly; a longer chunk over a cached prefix gathers its context and runs SDPA as
-  torch_native does. With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
+  them directly; a longer chunk over a cached prefix runs as two SDPA flash calls merged by
+  log-sum-exp, the prefix part unmasked and shared with the batch's other requests on the same
+  cached slots (`cpu_prefix_split`: a shared system prompt is read once for all of them), or,
+  where torch lacks that op, gathers its context and runs masked SDPA as torch_native does. With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
   than the kernel's dpbf16 (not measured here: no AMX CPU was at hand); without native bf16 or
   with a float32 pool the kernel's loops are fp32 FMAs, where SDPA's GEMMs win from a few rows.
   `HISERVE_CPU_EXTEND_ATTENTION=kernel|sdpa` overrides the choice (an A/B on a new CPU).
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 
 from hiserve.hardware import detect_cpu
 from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.attention import cpu_prefix_split as prefix_split
 from hiserve.layers.attention.base import AttentionBackend, RadixAttention
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch
@@ -107,8 +110,10 @@ class _Metadata:
     store_loc: torch.Tensor | None
     fresh: list[tuple[int, int]]  # (q_start, q_end) of EXTEND requests without a cached prefix
     # (q_start, q_end, context slots [seq_len] int64, causal mask [n, seq_len]) of long chunks
-    # over a cached prefix
+    # over a cached prefix, where this torch lacks the flash op `groups` run on
     gathered: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # long chunks over a cached prefix, grouped by shared leading slots (cpu_prefix_split)
+    groups: list[prefix_split.PrefixGroup]
 
 
 class CpuPagedAttnBackend(AttentionBackend):
@@ -152,20 +157,19 @@ class CpuPagedAttnBackend(AttentionBackend):
             self._meta = self._split_extend(forward_batch, idx, lens)
             return
         # The kernel runs the whole batch (DECODE, or EXTEND on the "kernel" routing).
-        self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [])
+        self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [], [])
 
     def _split_extend(self, forward_batch: ForwardBatch, idx: torch.Tensor, lens: torch.Tensor) -> _Metadata:
-        """The "sdpa" EXTEND routing: each request to SDPA on its own k/v (fresh prompt), gather +
-        SDPA (long chunk over a cached prefix) or the kernel (a few tokens over a prefix)."""
-        fresh, gathered, cached, rows, starts, q = [], [], [], [], [0], 0
+        """The "sdpa" EXTEND routing: each request to SDPA on its own k/v (fresh prompt), the
+        split prefix / own SDPA calls grouped by shared prefix (long chunk over a cached prefix)
+        or the kernel (a few tokens over a prefix)."""
+        fresh, chunks, cached, rows, starts, q = [], [], [], [], [0], 0
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         for i, (n, prefix) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)):
             if prefix == 0:
                 fresh.append((q, q + n))
             elif n > PAGED_EXTEND_MAX_NEW_TOKENS:
-                slots = req_to_token[int(idx[i]), : prefix + n].long()
-                mask = torch.arange(prefix + n).view(1, -1) <= torch.arange(prefix, prefix + n).view(-1, 1)
-                gathered.append((q, q + n, slots, mask))
+                chunks.append((q, q + n, prefix, req_to_token[int(idx[i]), : prefix + n].long()))
             else:
                 cached.append(i)
                 rows.append(torch.arange(q, q + n))
@@ -177,7 +181,12 @@ class CpuPagedAttnBackend(AttentionBackend):
             q_rows = None if not fresh and not gathered else torch.cat(rows)
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
-        return _Metadata(paged, self._store_loc(forward_batch) if paged_all else None, fresh, gathered)
+        store_loc = self._store_loc(forward_batch) if paged_all else None
+        if prefix_split.available():
+            return _Metadata(paged, store_loc, fresh, [], prefix_split.plan_groups(chunks))
+        gathered = [(start, end, slots, torch.arange(p + end - start).view(1, -1)
+                     <= torch.arange(p, p + end - start).view(-1, 1)) for start, end, p, slots in chunks]
+        return _Metadata(paged, store_loc, fresh, gathered, [])
 
     def forward(
         self,
@@ -211,6 +220,8 @@ class CpuPagedAttnBackend(AttentionBackend):
         out = q.new_empty((t, layer.num_heads * layer.v_head_dim))
         for start, end in meta.fresh:
             out[start:end] = self._fresh(q[start:end], k[start:end], v[start:end], layer)
+        for group in meta.groups:
+            prefix_split.attend_group(q, k_buf, v_buf, group, layer.num_heads, layer.scaling, out)
         for start, end, slots, mask in meta.gathered:
             out[start:end] = self._attend(q[start:end], k_buf.index_select(0, slots).flatten(1),
                                           v_buf.index_select(0, slots).flatten(1), layer, mask)

@@ -1,0 +1,149 @@
+"""EXTEND attention over a cached prefix on the CPU's SDPA route, as two attentions merged by
+log-sum-exp ("cascade" attention), with the prefix part shared by requests that share it.
+
+A chunk of n new tokens over a cached prefix of p tokens attends to p + n keys under a causal
+mask. Split at L <= p: every query sees all of the first L keys (no mask), and the rest
+(p - L + n keys, causal) is small. Each part returns its output and the log-sum-exp of its
+scores; the merged output is their softmax-weighted mean (the merge of attention states of
+FlashInfer's cascade inference, Ye et al. 2024; vLLM's cascade attention does the same on GPUs).
+
+Why it pays on the CPU: SDPA with a boolean mask runs ~40 % slower than without, and the
+unmasked part can fold a KV head's G query heads into its query rows (one pass over K/V per KV
+head instead of G: GQA). And requests of one batch whose contexts start with the same pool slots
+(a shared system prompt that the radix cache matched for all of them) run their prefix part as
+one call over one gathered copy of the shared keys, with all their queries as rows, which lifts
+the GEMMs' row count from n * G to (sum of n) * G. Measured on a 2-core Xeon with AMX (SmolLM2-135M
+heads, 7 requests of 56 new tokens over a shared 1008-token prefix, bf16): 8.2 ms a layer as
+7 masked SDPA calls, 4.0 + 7 x 0.14 ms split and shared.
+
+The two parts run `aten._scaled_dot_product_flash_attention_for_cpu`, the kernel
+`F.scaled_dot_product_attention` dispatches to on the CPU, called directly because it also
+returns the log-sum-exp. `available()` is False where this torch lacks it; the caller then keeps
+one masked SDPA call a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Requests join a group when their contexts share at least this many leading pool slots (below
+# it a shared call saves too little to pay for the merge's extra ops).
+MIN_SHARED_TOKENS = 64
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def available() -> bool:
+    """Whether this torch has the CPU flash-attention op that returns the log-sum-exp."""
+    return _FLASH_CPU is not None
+
+
+@dataclass
+class _Member:
+    """One request of a group: its q rows [n], and the keys past the shared part."""
+
+    rows: torch.Tensor  # [n] int64 rows of q (and of the output)
+    own_slots: torch.Tensor  # [T] int64 pool slots of context positions L .. p + n - 1
+    mask: torch.Tensor  # [n, T] bool: query j sees own key t iff t <= p - L + j
+    _float_mask: dict = field(default_factory=dict)  # (dtype, G) -> [G * n, T] additive mask
+
+    def additive_mask(self, dtype: torch.dtype, group: int) -> torch.Tensor:
+        """The mask as the flash op takes it (q's dtype, 0 / -inf), repeated for G folded heads."""
+        m = self._float_mask.get((dtype, group))
+        if m is None:
+            m = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
+            m = self._float_mask.setdefault((dtype, group), m.repeat(group, 1))
+        return m
+
+
+@dataclass
+class PrefixGroup:
+    """Requests of one EXTEND batch whose contexts start with the same `shared_slots` [L]."""
+
+    shared_slots: torch.Tensor  # [L] int64
+    members: list[_Member]
+    rows: torch.Tensor = field(init=False)  # [N] int64: the members' q rows, member after member
+
+    def __post_init__(self):
+        self.rows = torch.cat([m.rows for m in self.members])
+
+
+def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the common leading run of two int64 slot vectors."""
+    n = min(a.numel(), b.numel())
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0]) if diff.numel() else n
+
+
+def plan_groups(chunks: list[tuple[int, int, int, torch.Tensor]]) -> list[PrefixGroup]:
+    """Group EXTEND chunks over a cached prefix by shared leading slots.
+
+    chunks: (q_start, q_end, prefix_len, slots [prefix_len + n] int64) per request, n =
+    q_end - q_start >= 1, prefix_len >= 1. A chunk joins the first group whose shared slots it
+    starts with for at least MIN_SHARED_TOKENS (the group's shared length shrinks to the common
+    part, never below that); else it opens a group of its own, shared = its whole prefix. New
+    tokens have slots of their own, so a shared part never reaches into a request's new tokens.
+    """
+    anchors: list[list] = []  # [shared_slots, [(q_start, q_end, prefix, slots)]]
+    for chunk in chunks:
+        _, _, prefix, slots = chunk
+        for entry in anchors:
+            common = _common_len(entry[0], slots[:prefix])
+            if common >= MIN_SHARED_TOKENS:
+                entry[0] = entry[0][:common]
+                entry[1].append(chunk)
+                break
+        else:
+            anchors.append([slots[:prefix], [chunk]])
+    groups = []
+    for shared, items in anchors:
+        L = shared.numel()
+        members = []
+        for q_start, q_end, prefix, slots in items:
+            n, own = q_end - q_start, prefix - L + q_end - q_start
+            mask = torch.arange(own).view(1, -1) <= torch.arange(prefix - L, prefix - L + n).view(-1, 1)
+            members.append(_Member(torch.arange(q_start, q_end), slots[L:].contiguous(), mask))
+        groups.append(PrefixGroup(shared.contiguous(), members))
+    return groups
+
+
+def _gather_heads(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """buf [pool, Hkv, D] rows at slots -> [1, Hkv, S, D] in `dtype`."""
+    return buf.index_select(0, slots).to(dtype).transpose(0, 1).unsqueeze(0)
+
+
+def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: PrefixGroup,
+                 num_heads: int, scale: float, out: torch.Tensor) -> None:
+    """Write the group's attention into out[group.rows].
+
+    q [T, Hq * D], out [T, Hq * D] (q's dtype); k_buf / v_buf [pool, Hkv, D] (any float dtype,
+    cast to q's). Query head h reads KV head h // G (G = Hq / Hkv), as SDPA's enable_gqa. The
+    shared keys are read once for all members; each member's own keys once; the two states merge
+    in float32.
+    """
+    hkv, d = k_buf.shape[1], k_buf.shape[2]
+    g, n_all, dt = num_heads // hkv, group.rows.numel(), q.dtype
+    # Fold: [N, Hkv, G, D] -> [1, Hkv, G * N, D]; row r of a KV head is query r % N of head g = r // N.
+    qf = q.index_select(0, group.rows).view(n_all, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_all, d)
+    o_shared, lse_shared = _FLASH_CPU(qf, _gather_heads(k_buf, group.shared_slots, dt),
+                                      _gather_heads(v_buf, group.shared_slots, dt), 0.0, False, scale=scale)
+    o_own = torch.empty(hkv, g, n_all, d, dtype=dt)
+    lse_own = torch.empty(hkv, g, n_all, dtype=torch.float32)
+    qv = qf.view(hkv, g, n_all, d)
+    start = 0
+    for m in group.members:
+        n = m.rows.numel()
+        qm = qv[:, :, start : start + n].reshape(1, hkv, g * n, d)
+        o, lse = _FLASH_CPU(qm, _gather_heads(k_buf, m.own_slots, dt), _gather_heads(v_buf, m.own_slots, dt),
+                            0.0, False, attn_mask=m.additive_mask(dt, g), scale=scale)
+        o_own[:, :, start : start + n] = o.view(hkv, g, n, d)
+        lse_own[:, :, start : start + n] = lse.view(hkv, g, n)
+        start += n
+    lse_shared = lse_shared.view(hkv, g, n_all)
+    top = torch.maximum(lse_shared, lse_own)
+    w_shared, w_own = torch.exp(lse_shared - top), torch.exp(lse_own - top)
+    total = w_shared + w_own
+    merged = (o_shared.view(hkv, g, n_all, d).float() * (w_shared / total).unsqueeze(-1)
+              + o_own.float() * (w_own / total).unsqueeze(-1))
+    out[group.rows] = merged.permute(2, 0, 1, 3).reshape(n_all, num_heads * d).to(out.dtype)

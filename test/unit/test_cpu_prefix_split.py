@@ -1,0 +1,77 @@
+"""EXTEND chunks over a cached prefix on the CPU's SDPA route, split into a prefix part and an
+own part merged by log-sum-exp, with requests that share their leading pool slots (a radix hit
+on one system prompt) grouped into one prefix call (`cpu_prefix_split`). Checked against the
+torch_native oracle on real pools with shuffled pages, float32 and bf16, GQA 1/3/8, page sizes
+1 and 16, and a mixed batch: several requests on one shared prompt, one of them with cached
+tokens of its own past it, an unrelated request over its own prefix, a fresh prompt and a
+request short enough for the paged kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_pools import Pools, assert_close_rel
+
+from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.attention import cpu_prefix_split as prefix_split
+from hiserve.layers.attention.base import RadixAttention
+from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
+from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
+from hiserve.layers.forward_batch import ForwardMode
+from hiserve.mem_cache.memory_pool import MHATokenToKVPool
+
+pytestmark = [pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="CPU kernels cannot be built here"),
+              pytest.mark.skipif(not prefix_split.available(), reason="this torch lacks the CPU flash op")]
+EXTEND = ForwardMode.EXTEND
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _run(pools, backend, oracle, layer, dtype, new_lens):
+    fb = pools.batch(EXTEND, new_lens, backend)
+    t, hq, hkv, d = fb.out_cache_loc.numel(), layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q, k, v = (torch.randn(t, h * d).to(dtype) for h in (hq, hkv, hkv))
+    backend.init_forward_metadata(fb)
+    got = backend.forward(q, k, v, layer, fb)
+    oracle.init_forward_metadata(fb)
+    assert_close_rel(got, oracle.forward(q, k, v, layer, fb, save_kv_cache=False), TOL[dtype])
+    return backend._meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
+    torch.manual_seed(page_size * 10 + group)
+    hkv, d = 2, 64
+    kv = MHATokenToKVPool(8192, page_size, dtype, hkv, d, 1, "cpu")
+    pools = Pools(kv, max_reqs=12, max_context=2048)
+    backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
+    backend.extend_route = "sdpa"
+    layer = RadixAttention(hkv * group, d, d ** -0.5, hkv, layer_id=0)
+    _run(pools, backend, oracle, layer, dtype, {"sys": 1000, "other": 300})  # fresh prompts
+    # "tail" caches 64 tokens of its own past the shared prompt (cached in a first chunk)
+    pools.share_prefix("tail", "sys", 992)
+    _run(pools, backend, oracle, layer, dtype, {"tail": 64})
+    for name in ("a", "b", "c"):
+        pools.share_prefix(name, "sys", 992)
+    pools.share_prefix("short", "other", 288)  # 3 new tokens: the paged kernel's
+    meta = _run(pools, backend, oracle, layer, dtype,
+                {"a": 50, "fresh": 40, "b": 7, "tail": 33, "other": 20, "short": 3, "c": 129})
+    shapes = sorted((g.shared_slots.numel(), sorted(m.own_slots.numel() for m in g.members)) for g in meta.groups)
+    # the shared prompt's group ("tail"'s own 64 cached tokens are in its own part), and "other" alone
+    assert shapes == [(300, [20]), (992, [7, 50, 64 + 33, 129])], shapes
+    assert meta.fresh and meta.paged is not None  # "fresh" and "short" took the other paths
+
+
+def test_plan_groups_needs_min_shared_tokens():
+    base = torch.arange(1000, 1500)
+    near = torch.cat([base[: prefix_split.MIN_SHARED_TOKENS - 1], torch.arange(5000, 5400)])
+    far = torch.cat([base[: prefix_split.MIN_SHARED_TOKENS], torch.arange(6000, 6400)])
+    groups = prefix_split.plan_groups([(0, 10, 490, base[:500]), (10, 20, 400, near[:410]),
+                                       (20, 25, 395, far[:400])])
+    # near shares one slot too few and stays alone; far joins and shrinks the shared part
+    assert [g.shared_slots.numel() for g in groups] == [prefix_split.MIN_SHARED_TOKENS, 400]
+    assert [m.own_slots.numel() for m in groups[0].members] == [500 - 64, 400 - 64]
+    assert groups[0].rows.tolist() == list(range(10)) + list(range(20, 25))
+    own_mask = groups[0].members[1].mask  # far: 5 new tokens over 395 - 64 own cached keys
+    assert own_mask.shape == (5, 336) and own_mask[0].sum() == 332 and own_mask[4].all()
