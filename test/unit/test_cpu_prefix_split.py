@@ -61,6 +61,8 @@ def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
     # the shared prompt's group ("tail"'s own 64 cached tokens are in its own part), and "other" alone
     assert shapes == [(300, [20]), (992, [7, 50, 64 + 33, 129])], shapes
     assert meta.fresh and meta.paged is not None  # "fresh" and "short" took the other paths
+    meta = _run(pools, backend, oracle, layer, dtype, {"b": 2, "a": 9})  # the kernel's and a group's rows, no fresh
+    assert meta.paged.q_rows.tolist() == [0, 1] and meta.groups[0].rows.tolist() == list(range(2, 11))
 
 
 def test_plan_groups_needs_min_shared_tokens():

@@ -178,7 +178,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         paged = None
         if cached:
             sel = torch.tensor(cached, dtype=torch.int64)
-            q_rows = None if not fresh and not gathered else torch.cat(rows)
+            q_rows = None if not fresh and not chunks else torch.cat(rows)
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
         store_loc = self._store_loc(forward_batch) if paged_all else None
