@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from hiserve.engine.sampling_params import SamplingParams
+from hiserve.jit_kernel import cpu as cpu_kernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -378,7 +379,7 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         if info.is_all_greedy:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
 
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
@@ -406,4 +407,13 @@ class Sampler:
         if order is not None:
             picked = order.gather(1, picked.view(-1, 1)).view(-1)
         # Greedy rows in a mixed batch take argmax.
-        return torch.where(info.greedy_mask, logits.argmax(dim=-1), picked)
+        return torch.where(info.greedy_mask, _argmax(logits), picked)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 -> [B] int64 greedy tokens. On the CPU the kernel (torch's CPU argmax is
+    one scalar pass on one thread: 1.2 ms of a batch-16 decode step for 16 x 49152 logits,
+    against 0.1 ms); elsewhere torch's."""
+    if logits.is_cpu and logits.stride(-1) == 1 and cpu_kernels.can_use_cpu_kernels():
+        return cpu_kernels.argmax(logits)
+    return logits.argmax(dim=-1)

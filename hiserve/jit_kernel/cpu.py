@@ -38,6 +38,7 @@ CPU_FUNCTIONS = {
     "rmsnorm": "RMSNorm with an optional fused residual add",
     "rotary": "rotary embedding, NeoX or interleaved, partial rotary_dim",
     "silu_and_mul": "silu(gate) * up",
+    "argmax_rows": "greedy sampling: each float32 row's argmax (first on ties, first NaN as torch)",
     "gguf_gemm": "GEMM of a few rows by GGUF Q4/Q8_0 blocks, dequantized in registers",
     "gguf_amx_ready": "1 where this build has the AMX GEMM and the process may use AMX tiles",
     "gguf_amx_pack": "GGUF Q4_0/Q4_1/Q8_0 blocks -> the AMX GEMM's 16 x 32 weight records",
@@ -316,6 +317,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _check(x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, "x must be [T, 2I]")
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     load_cpu_module().silu_and_mul(x, out, torch.get_num_threads())
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 CPU, rows contiguous, V >= 1 -> [B] int64, torch.argmax(dim=-1)'s
+    result (the first index on ties; the first NaN where a row has one), vectorized and
+    parallel over rows. Raises ValueError on bad input."""
+    if not (logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2 and logits.stride(1) == 1
+            and logits.shape[1] >= 1):
+        _check(logits.dtype == torch.float32 and logits.is_cpu, "logits must be float32 on the CPU")
+        _check(logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] >= 1, "logits must be [B, V >= 1]")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    load_cpu_module().argmax_rows(logits, out, torch.get_num_threads())
     return out
 
 

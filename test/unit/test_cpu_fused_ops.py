@@ -92,3 +92,25 @@ def test_layers_dispatch_to_the_kernels(monkeypatch, dtype):
     with torch.enable_grad():  # autograd keeps the torch forms (the kernels have no backward)
         norm(x)
     assert calls == ["rmsnorm", "rotary", "silu_and_mul"]
+
+
+@pytest.mark.parametrize("shape", [(16, 49152), (1, 1), (3, 7), (2, 33), (5, 100003)])
+def test_argmax_matches_torch(shape):
+    """Greedy sampling's kernel: random rows of every length around its 32-lane blocks."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    strided = torch.randn(shape[0], shape[1] + 5)[:, : shape[1]]  # rows apart, each contiguous
+    assert torch.equal(cpu_kernels.argmax(strided), strided.argmax(-1))
+
+
+def test_argmax_ties_infinities_and_nan_as_torch():
+    x = torch.zeros(5, 1000)
+    x[1, 5] = x[1, 900] = 1  # tie: the first
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 10] = x[3, 20] = float("nan")  # NaN beats +inf, the first NaN
+    x[3, 5] = float("inf")
+    x[4, 999] = float("inf")  # in the tail past the last full block
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    assert cpu_kernels.argmax(x).tolist() == [0, 5, 0, 10, 999]
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.argmax(x.to(torch.bfloat16))

@@ -187,6 +187,18 @@ void silu_and_mul(tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t num_
     silu_and_mul<float>(ptr<float>(x), x.stride(0), ptr<float>(out), T, I, nt);
 }
 
+// x [B, V] float32 (row stride free, rows contiguous) -> out [B] int64: each row's argmax.
+void argmax_rows(tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t num_threads) {
+  using namespace hiserve::cpu;
+  require(!is_bf16(x) && x.ndim() == 2 && out.ndim() == 1, "x must be float32 [B, V], out [B]");
+  require_inner_contiguous(x, "x");
+  require(out.IsContiguous() && out.dtype().code == kDLInt && out.dtype().bits == 64 && out.size(0) == x.size(0),
+          "out must be contiguous int64 [B]");
+  require(x.size(1) >= 1, "x must have at least one column");
+  argmax_rows(ptr<float>(x), x.stride(0), ptr<int64_t>(out), x.size(0), x.size(1),
+              static_cast<int>(std::max<int64_t>(1, num_threads)));
+}
+
 // x [M, K] (row stride free) float32 or bf16; w uint8 [N, K/32 * block bytes]: each row the
 // GGUF blocks of one output feature (block_type 0: Q4_0, 1: Q4_1, 2: Q8_0; gguf_gemm.h);
 // out [M, N] in x's dtype, contiguous.

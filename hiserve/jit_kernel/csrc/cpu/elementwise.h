@@ -1,10 +1,11 @@
-// One-pass CPU forms of the per-token small ops, rounding where the torch references in
+// One-pass CPU forms of the per-token small ops (and greedy sampling's argmax), rounding where the torch references in
 // hiserve/layers/{norms,rotary,activations}.py round, so bf16 results match them to within
 // one rounding of the final value. Parallel over tokens.
 #pragma once
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -87,6 +88,47 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t tokens, int64_t 
       const float si = round_to<T>(gi / (1.f + fast_exp(-gi)));
       o[i] = from_float<T>(si * to_float(u[i]));
     }
+  }
+}
+
+// Greedy sampling: out[b] = index of the largest x[b, :] (the first on ties; the first NaN if
+// any, as torch.argmax). x [B, V] float32, row stride x_stride. A vectorized max with a NaN
+// flag, then a scan for its first occurrence: torch's CPU argmax (one scalar pass, one thread)
+// took 1.1 ms for 16 x 49152 logits on a 2-core Xeon, ~3% of a batch-16 decode step.
+inline void argmax_rows(const float* x, int64_t x_stride, int64_t* out, int64_t rows, int64_t vocab,
+                        int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * vocab >= kGrainSize)
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* r = x + b * x_stride;
+    // 32 independent lanes: a single running max is one dependent compare per element
+    // (measured as slow as torch's); these compile to vector max/compare ops.
+    constexpr int kLanes = 32;
+    float lane[kLanes];
+    int bad[kLanes];
+    for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY, bad[j] = 0;
+    int64_t i = 0;
+    for (; i + kLanes <= vocab; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) {
+        const float v = r[i + j];
+        lane[j] = v > lane[j] ? v : lane[j];
+        bad[j] |= v != v;
+      }
+    float mx = -INFINITY;
+    int nan = 0;
+    for (; i < vocab; ++i) mx = r[i] > mx ? r[i] : mx, nan |= r[i] != r[i];
+    for (int j = 0; j < kLanes; ++j) mx = lane[j] > mx ? lane[j] : mx, nan |= bad[j];
+    int64_t at = 0;
+    if (nan) {
+      while (r[at] == r[at]) ++at;
+    } else {  // the first block of 32 holding mx (a vector compare a block), then within it
+      for (; at + kLanes <= vocab; at += kLanes) {
+        int hit = 0;
+        for (int j = 0; j < kLanes; ++j) hit |= r[at + j] == mx;
+        if (hit) break;
+      }
+      while (at + 1 < vocab && r[at] != mx) ++at;
+    }
+    out[b] = at;
   }
 }
 
