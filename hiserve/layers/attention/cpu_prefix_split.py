@@ -64,9 +64,12 @@ class PrefixGroup:
     shared_slots: torch.Tensor  # [L] int64
     members: list[_Member]
     rows: torch.Tensor = field(init=False)  # [N] int64: the members' q rows, member after member
+    contiguous: bool = field(init=False)  # rows are consecutive (the output is then one slice)
 
     def __post_init__(self):
         self.rows = torch.cat([m.rows for m in self.members])
+        first = int(self.rows[0])
+        self.contiguous = bool(torch.equal(self.rows, torch.arange(first, first + self.rows.numel())))
 
 
 def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -120,7 +123,7 @@ def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grou
     q [T, Hq * D], out [T, Hq * D] (q's dtype); k_buf / v_buf [pool, Hkv, D] (any float dtype,
     cast to q's). Query head h reads KV head h // G (G = Hq / Hkv), as SDPA's enable_gqa. The
     shared keys are read once for all members; each member's own keys once; the two states merge
-    in float32.
+    by their log-sum-exps (weights in float32).
     """
     hkv, d = k_buf.shape[1], k_buf.shape[2]
     g, n_all, dt = num_heads // hkv, group.rows.numel(), q.dtype
@@ -140,10 +143,12 @@ def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grou
         o_own[:, :, start : start + n] = o.view(hkv, g, n, d)
         lse_own[:, :, start : start + n] = lse.view(hkv, g, n)
         start += n
-    lse_shared = lse_shared.view(hkv, g, n_all)
-    top = torch.maximum(lse_shared, lse_own)
-    w_shared, w_own = torch.exp(lse_shared - top), torch.exp(lse_own - top)
-    total = w_shared + w_own
-    merged = (o_shared.view(hkv, g, n_all, d).float() * (w_shared / total).unsqueeze(-1)
-              + o_own.float() * (w_own / total).unsqueeze(-1))
-    out[group.rows] = merged.permute(2, 0, 1, 3).reshape(n_all, num_heads * d).to(out.dtype)
+    # The own part's weight e^lo / (e^ls + e^lo) = sigmoid(lo - ls), computed in float32; one
+    # lerp (float32 inside) then forms the merged output in q's dtype: a single pass over the
+    # outputs instead of six.
+    w_own = torch.sigmoid(lse_own - lse_shared.view(hkv, g, n_all)).unsqueeze(-1).to(dt)
+    merged = torch.lerp(o_shared.view(hkv, g, n_all, d), o_own, w_own).permute(2, 0, 1, 3)  # [N, Hkv, G, D]
+    if group.contiguous:
+        out[group.rows[0] : group.rows[0] + n_all].view(n_all, hkv, g, d).copy_(merged)
+    else:
+        out[group.rows] = merged.reshape(n_all, num_heads * d).to(out.dtype)
