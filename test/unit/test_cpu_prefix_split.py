@@ -56,24 +56,46 @@ def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
         pools.share_prefix(name, "sys", 992)
     pools.share_prefix("short", "other", 288)  # 3 new tokens: the paged kernel's
     meta = _run(pools, backend, oracle, layer, dtype,
-                {"a": 50, "fresh": 40, "b": 7, "tail": 33, "other": 20, "short": 3, "c": 129})
-    shapes = sorted((g.shared_slots.numel(), sorted(m.own_slots.numel() for m in g.members)) for g in meta.groups)
-    # the shared prompt's group ("tail"'s own 64 cached tokens are in its own part), and "other" alone
-    assert shapes == [(300, [20]), (992, [7, 50, 64 + 33, 129])], shapes
+                {"a": 50, "fresh": 40, "b": 7, "tail": 33, "other": 20, "short": 3, "c": 100})
+    shapes = [(g.shared_slots.numel(), sorted(m.own_slots.numel() for m in g.members)) for g in meta.groups]
+    # the shared prompt's group ("tail"'s own 64 cached tokens are in its own part); "other"
+    # shares with no one: one masked call over its gathered context
+    assert shapes == [(992, [7, 50, 64 + 33, 100])], shapes
+    assert [len(m[2]) for m in meta.gathered] == [320]
     assert meta.fresh and meta.paged is not None  # "fresh" and "short" took the other paths
-    meta = _run(pools, backend, oracle, layer, dtype, {"b": 2, "a": 9})  # the kernel's and a group's rows, no fresh
-    assert meta.paged.q_rows.tolist() == [0, 1] and meta.groups[0].rows.tolist() == list(range(2, 11))
+    meta = _run(pools, backend, oracle, layer, dtype, {"b": 2, "a": 9, "c": 5})  # the kernel's and a group's rows
+    assert meta.paged.q_rows.tolist() == [0, 1] and meta.groups[0].rows.tolist() == list(range(2, 16))
+    assert not meta.fresh and meta.groups[0].contiguous
 
 
-def test_plan_groups_needs_min_shared_tokens():
-    base = torch.arange(1000, 1500)
-    near = torch.cat([base[: prefix_split.MIN_SHARED_TOKENS - 1], torch.arange(5000, 5400)])
-    far = torch.cat([base[: prefix_split.MIN_SHARED_TOKENS], torch.arange(6000, 6400)])
-    groups = prefix_split.plan_groups([(0, 10, 490, base[:500]), (10, 20, 400, near[:410]),
-                                       (20, 25, 395, far[:400])])
+def test_plan_groups_thresholds():
+    base = torch.arange(10_000, 12_000)
+    near = torch.cat([base[: prefix_split.MIN_SHARED_TOKENS - 1], torch.arange(20_000, 22_000)])
+    far = torch.cat([base[:1900], torch.arange(30_000, 30_200)])
+    short = torch.cat([base[:300], torch.arange(40_000, 40_100)])
+    groups, alone = prefix_split.plan_groups([(0, 10, 1990, base[:2000]), (10, 20, 1500, near[:1510]),
+                                              (20, 25, 2050, far[:2055])])
     # near shares one slot too few and stays alone; far joins and shrinks the shared part
-    assert [g.shared_slots.numel() for g in groups] == [prefix_split.MIN_SHARED_TOKENS, 400]
-    assert [m.own_slots.numel() for m in groups[0].members] == [500 - 64, 400 - 64]
-    assert groups[0].rows.tolist() == list(range(10)) + list(range(20, 25))
-    own_mask = groups[0].members[1].mask  # far: 5 new tokens over 395 - 64 own cached keys
-    assert own_mask.shape == (5, 336) and own_mask[0].sum() == 332 and own_mask[4].all()
+    assert [g.shared_slots.numel() for g in groups] == [1900] and [c[:3] for c in alone] == [(10, 20, 1500)]
+    assert [m.own_slots.numel() for m in groups[0].members] == [2000 - 1900, 2055 - 1900]
+    assert groups[0].rows.tolist() == list(range(10)) + list(range(20, 25)) and not groups[0].contiguous
+    own_mask = groups[0].members[1].mask  # far: 5 new tokens over 2050 - 1900 own cached keys
+    assert own_mask.shape == (5, 155) and own_mask[0].sum() == 151 and own_mask[4].all()
+    # 300 shared against 100 own (< MIN_SHARED_TO_OWN x): both alone, in batch order
+    groups, alone = prefix_split.plan_groups([(30, 90, 340, short[:400]), (0, 30, 300, base[:330])])
+    assert not groups and [c[0] for c in alone] == [0, 30]
+
+
+def test_without_the_flash_op_long_chunks_run_gathered(monkeypatch):
+    """A torch without `_scaled_dot_product_flash_attention_for_cpu`: one masked SDPA call a
+    chunk over its gathered context (the path before the split), still equal to the oracle."""
+    monkeypatch.setattr(prefix_split, "_FLASH_CPU", None)
+    kv = MHATokenToKVPool(4096, 16, torch.bfloat16, 2, 64, 1, "cpu")
+    pools = Pools(kv, max_reqs=6, max_context=2048)
+    backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
+    backend.extend_route = "sdpa"
+    layer = RadixAttention(6, 64, 0.125, 2, layer_id=0)
+    _run(pools, backend, oracle, layer, torch.bfloat16, {"sys": 500})
+    pools.share_prefix("a", "sys", 496)
+    meta = _run(pools, backend, oracle, layer, torch.bfloat16, {"a": 30, "sys": 9})
+    assert not meta.groups and sorted(len(m[2]) for m in meta.gathered) == [509, 526]

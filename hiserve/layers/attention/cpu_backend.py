@@ -19,10 +19,11 @@ logged once):
   new tokens take the kernel (its dpbf16 tiles on a bf16 pool where the build has AVX512-BF16,
   AMX CPUs included; else its fp32 loops); a fresh prompt attends only over its own new
   tokens, which are the k/v handed in, so it runs `F.scaled_dot_product_attention` (causal) on
-  them directly; a longer chunk over a cached prefix runs as two SDPA flash calls merged by
-  log-sum-exp, the prefix part unmasked and shared with the batch's other requests on the same
-  cached slots (`cpu_prefix_split`: a shared system prompt is read once for all of them), or,
-  where torch lacks that op, gathers its context and runs masked SDPA as torch_native does. With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
+  them directly; a longer chunk over a cached prefix gathers its context and runs masked SDPA
+  as torch_native does, unless other requests of the batch share that prefix's slots: then the
+  group runs one unmasked SDPA call over the shared prefix for all their queries and one small
+  masked call each over the rest, merged by log-sum-exp (`cpu_prefix_split`: a shared system
+  prompt read once for all of them). With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
   than the kernel's dpbf16 (not measured here: no AMX CPU was at hand); without native bf16 or
   with a float32 pool the kernel's loops are fp32 FMAs, where SDPA's GEMMs win from a few rows.
   `HISERVE_CPU_EXTEND_ATTENTION=kernel|sdpa` overrides the choice (an A/B on a new CPU).
@@ -110,9 +111,11 @@ class _Metadata:
     store_loc: torch.Tensor | None
     fresh: list[tuple[int, int]]  # (q_start, q_end) of EXTEND requests without a cached prefix
     # (q_start, q_end, context slots [seq_len] int64, causal mask [n, seq_len]) of long chunks
-    # over a cached prefix, where this torch lacks the flash op `groups` run on
+    # over a cached prefix that shares it with no other request of the batch (or every such
+    # chunk where this torch lacks the flash op `groups` run on)
     gathered: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    # long chunks over a cached prefix, grouped by shared leading slots (cpu_prefix_split)
+    # long chunks over a cached prefix that other requests of the batch share, grouped by their
+    # shared leading slots (cpu_prefix_split)
     groups: list[prefix_split.PrefixGroup]
 
 
@@ -160,9 +163,9 @@ class CpuPagedAttnBackend(AttentionBackend):
         self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [], [])
 
     def _split_extend(self, forward_batch: ForwardBatch, idx: torch.Tensor, lens: torch.Tensor) -> _Metadata:
-        """The "sdpa" EXTEND routing: each request to SDPA on its own k/v (fresh prompt), the
-        split prefix / own SDPA calls grouped by shared prefix (long chunk over a cached prefix)
-        or the kernel (a few tokens over a prefix)."""
+        """The "sdpa" EXTEND routing: each request to SDPA on its own k/v (fresh prompt), gather +
+        SDPA or, with others on the same cached prefix, the split and shared calls (long chunk
+        over a cached prefix), or the kernel (a few tokens over a prefix)."""
         fresh, chunks, cached, rows, starts, q = [], [], [], [], [0], 0
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         for i, (n, prefix) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)):
@@ -182,11 +185,10 @@ class CpuPagedAttnBackend(AttentionBackend):
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
         store_loc = self._store_loc(forward_batch) if paged_all else None
-        if prefix_split.available():
-            return _Metadata(paged, store_loc, fresh, [], prefix_split.plan_groups(chunks))
+        groups, alone = prefix_split.plan_groups(chunks) if prefix_split.available() else ([], chunks)
         gathered = [(start, end, slots, torch.arange(p + end - start).view(1, -1)
-                     <= torch.arange(p, p + end - start).view(-1, 1)) for start, end, p, slots in chunks]
-        return _Metadata(paged, store_loc, fresh, gathered, [])
+                     <= torch.arange(p, p + end - start).view(-1, 1)) for start, end, p, slots in alone]
+        return _Metadata(paged, store_loc, fresh, gathered, groups)
 
     def forward(
         self,

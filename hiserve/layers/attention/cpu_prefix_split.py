@@ -7,19 +7,21 @@ mask. Split at L <= p: every query sees all of the first L keys (no mask), and t
 scores; the merged output is their softmax-weighted mean (the merge of attention states of
 FlashInfer's cascade inference, Ye et al. 2024; vLLM's cascade attention does the same on GPUs).
 
-Why it pays on the CPU: SDPA with a boolean mask runs ~40 % slower than without, and the
-unmasked part can fold a KV head's G query heads into its query rows (one pass over K/V per KV
-head instead of G: GQA). And requests of one batch whose contexts start with the same pool slots
-(a shared system prompt that the radix cache matched for all of them) run their prefix part as
-one call over one gathered copy of the shared keys, with all their queries as rows, which lifts
-the GEMMs' row count from n * G to (sum of n) * G. Measured on a 2-core Xeon with AMX (SmolLM2-135M
-heads, 7 requests of 56 new tokens over a shared 1008-token prefix, bf16): 8.2 ms a layer as
-7 masked SDPA calls, 4.0 + 7 x 0.14 ms split and shared.
+Why: requests of one batch whose contexts start with the same pool slots (a shared system
+prompt that the radix cache matched for all of them) run their prefix part as one unmasked call
+over one gathered copy of the shared keys, with all their queries as rows and a KV head's G query
+heads folded into them (one pass over K/V per KV head for all: GQA). Only such groups are split,
+and only where the shared prefix is long against each member's own part: a request alone gains
+nothing (its unmasked prefix call is no faster than its one masked call plus a merge: 1.01x at
+56 new tokens over 1008, 1.32x at 200 over 300), nor do short prefixes (see MIN_SHARED_TO_OWN). Measured per layer on a
+2-core Xeon with AMX, SmolLM2-135M heads, bf16 (benchmark/cpu/bench_prefix_split.py,
+benchmark/results/cpu_prefix_split.json): 7 requests of 56 new tokens over a shared 1008-token
+prefix 10.5 -> 6.0 ms, 4 of 128 over 2048 16.8 -> 10.3 ms.
 
 The two parts run `aten._scaled_dot_product_flash_attention_for_cpu`, the kernel
 `F.scaled_dot_product_attention` dispatches to on the CPU, called directly because it also
 returns the log-sum-exp. `available()` is False where this torch lacks it; the caller then keeps
-one masked SDPA call a request.
+one masked SDPA call a request, as it does for a request that shares its prefix with no other.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Requests join a group when their contexts share at least this many leading pool slots (below
-# it a shared call saves too little to pay for the merge's extra ops).
-MIN_SHARED_TOKENS = 64
+# A group is split only where its shared prefix is long, absolutely and against each member's own
+# part (its cached tokens past the shared ones plus its new tokens): per layer, split / one masked
+# call each (benchmark/results/cpu_prefix_split.json, 2-core Xeon): 1008 shared, 50-56 own:
+# 0.54-0.75; 2048 / 128: 0.61; 400 / 100: 0.99; 200 / 50: 1.07; 300 / 100-200: 1.22-1.47;
+# 120 / 30: 1.49.
+MIN_SHARED_TOKENS = 256
+MIN_SHARED_TO_OWN = 8
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -79,7 +85,8 @@ def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
-def plan_groups(chunks: list[tuple[int, int, int, torch.Tensor]]) -> list[PrefixGroup]:
+def plan_groups(chunks: list[tuple[int, int, int, torch.Tensor]]
+                ) -> tuple[list[PrefixGroup], list[tuple[int, int, int, torch.Tensor]]]:
     """Group EXTEND chunks over a cached prefix by shared leading slots.
 
     chunks: (q_start, q_end, prefix_len, slots [prefix_len + n] int64) per request, n =
@@ -87,6 +94,8 @@ def plan_groups(chunks: list[tuple[int, int, int, torch.Tensor]]) -> list[Prefix
     starts with for at least MIN_SHARED_TOKENS (the group's shared length shrinks to the common
     part, never below that); else it opens a group of its own, shared = its whole prefix. New
     tokens have slots of their own, so a shared part never reaches into a request's new tokens.
+    Returns (the groups of two or more requests whose shared length is at least
+    MIN_SHARED_TO_OWN x each member's own part, the other chunks in batch order).
     """
     anchors: list[list] = []  # [shared_slots, [(q_start, q_end, prefix, slots)]]
     for chunk in chunks:
@@ -99,16 +108,19 @@ def plan_groups(chunks: list[tuple[int, int, int, torch.Tensor]]) -> list[Prefix
                 break
         else:
             anchors.append([slots[:prefix], [chunk]])
-    groups = []
+    groups, alone = [], []
     for shared, items in anchors:
         L = shared.numel()
+        if len(items) < 2 or L < MIN_SHARED_TO_OWN * max(p - L + e - s for s, e, p, _ in items):
+            alone += items
+            continue
         members = []
         for q_start, q_end, prefix, slots in items:
             n, own = q_end - q_start, prefix - L + q_end - q_start
             mask = torch.arange(own).view(1, -1) <= torch.arange(prefix - L, prefix - L + n).view(-1, 1)
             members.append(_Member(torch.arange(q_start, q_end), slots[L:].contiguous(), mask))
         groups.append(PrefixGroup(shared.contiguous(), members))
-    return groups
+    return groups, sorted(alone, key=lambda c: c[0])
 
 
 def _gather_heads(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

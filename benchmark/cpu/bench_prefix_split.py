@@ -1,0 +1,118 @@
+"""EXTEND attention over a cached prefix on the CPU's SDPA route: one masked SDPA call a request
+over its gathered context (the path before `cpu_prefix_split`, and still a lone request's) against the split prefix / own
+calls merged by log-sum-exp, with the prefix call shared by the requests on the same slots.
+
+Cases (SmolLM2-135M heads: 9 query heads, 3 KV heads, head dim 64, bf16; slots scattered in a
+40000-slot pool): B requests of n new tokens over one shared cached prefix of L tokens, as in
+scenario (c) (a ~1000-token system prompt, ~50-token questions), down to two requests. Both
+paths run interleaved in one process; medians of --repeats; outputs checked equal (bf16
+tolerance) first.
+
+    python benchmark/cpu/bench_prefix_split.py [--out benchmark/results/x.json]
+
+Prints a table; the JSON holds the command, CPU (lscpu), threads, date and per-case medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scheduler_steps import _cpu_model  # noqa: E402
+
+from hiserve.layers.attention import cpu_prefix_split as prefix_split  # noqa: E402
+
+HQ, HKV, D, POOL = 9, 3, 64, 40000
+# (B, n, L): scenario (c)'s shapes, then the edges behind MIN_SHARED_TO_OWN
+CASES = [(7, 56, 1008), (8, 50, 1008), (2, 56, 1008), (4, 128, 2048), (2, 100, 400), (4, 50, 200), (8, 100, 300),
+         (2, 200, 300), (2, 30, 120)]
+
+
+def _inputs(b: int, n: int, prefix: int, gen: torch.Generator):
+    kb = torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16)
+    vb = torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(POOL, generator=gen)
+    chunks = [(i * n, (i + 1) * n, prefix, torch.cat([perm[:prefix], perm[prefix + i * n : prefix + (i + 1) * n]]))
+              for i in range(b)]
+    q = torch.randn(b * n, HQ * D, generator=gen).to(torch.bfloat16)
+    return q, kb, vb, chunks
+
+
+def _gathered(q, kb, vb, chunks, out):
+    """The former path: per request, its context gathered and one SDPA call with the causal mask."""
+    for start, end, p, slots in chunks:
+        n = end - start
+        mask = torch.arange(p + n).view(1, -1) <= torch.arange(p, p + n).view(-1, 1)
+        k = kb.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        v = vb.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q[start:end].view(n, HQ, D).transpose(0, 1).unsqueeze(0), k, v,
+                                           attn_mask=mask, scale=D ** -0.5, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1).reshape(n, HQ * D)
+
+
+def _median_ms(fn, repeats: int, inner: int = 5) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t) / inner * 1e3)
+    return samples
+
+
+def run_case(b: int, n: int, prefix: int, repeats: int) -> dict:
+    q, kb, vb, chunks = _inputs(b, n, prefix, torch.Generator().manual_seed(b * 1000 + n))
+    limits = prefix_split.MIN_SHARED_TOKENS, prefix_split.MIN_SHARED_TO_OWN
+    prefix_split.MIN_SHARED_TOKENS, prefix_split.MIN_SHARED_TO_OWN = 1, 0  # time the split even where
+    try:  # plan_groups would not choose it: these cases are what its thresholds rest on
+        groups, _ = prefix_split.plan_groups(chunks)
+    finally:
+        prefix_split.MIN_SHARED_TOKENS, prefix_split.MIN_SHARED_TO_OWN = limits
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    _gathered(q, kb, vb, chunks, want)
+    for g in groups:
+        prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 2e-2 * want.float().abs().max().item() + 1e-3, f"outputs differ by {err}"
+    before, after = [], []
+    for _ in range(repeats):  # interleaved: a noisy host hits both alike
+        before += _median_ms(lambda: _gathered(q, kb, vb, chunks, want), 1)
+        after += _median_ms(lambda: [prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got) for g in groups], 1)
+    mb, ma = statistics.median(before), statistics.median(after)
+    return {"requests": b, "new_tokens": n, "shared_prefix": prefix, "gathered_ms": mb, "split_shared_ms": ma,
+            "ratio": ma / mb, "max_abs_error": err}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not prefix_split.available():
+        raise SystemExit("this torch lacks aten._scaled_dot_product_flash_attention_for_cpu")
+    rows = [run_case(b, n, p, args.repeats) for b, n, p in CASES]
+    print(f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads, one layer, medians of {args.repeats}")
+    print(f"{'requests x new over shared':>28} {'gathered ms':>12} {'split+shared ms':>16} {'ratio':>6}")
+    for r in rows:
+        case = f"{r['requests']} x {r['new_tokens']} over {r['shared_prefix']}"
+        print(f"{case:>28} {r['gathered_ms']:12.2f} {r['split_shared_ms']:16.2f} {r['ratio']:6.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "benchmark": "cpu_prefix_split", "command": " ".join([sys.executable] + sys.argv),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": _cpu_model(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "thresholds": {"MIN_SHARED_TOKENS": prefix_split.MIN_SHARED_TOKENS,
+                           "MIN_SHARED_TO_OWN": prefix_split.MIN_SHARED_TO_OWN}, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
