@@ -327,7 +327,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if not (logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2 and logits.stride(1) == 1
             and logits.shape[1] >= 1):
         _check(logits.dtype == torch.float32 and logits.is_cpu, "logits must be float32 on the CPU")
-        _check(logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] >= 1, "logits must be [B, V >= 1]")
+        _check(logits.dim() == 2 and logits.shape[1] >= 1, f"logits must be [B, V >= 1], got {tuple(logits.shape)}")
+        _check(logits.stride(1) == 1, "logits rows must be contiguous (stride 1 along V)")
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     load_cpu_module().argmax_rows(logits, out, torch.get_num_threads())
     return out

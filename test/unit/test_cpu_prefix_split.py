@@ -20,8 +20,10 @@ from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
 from hiserve.layers.forward_batch import ForwardMode
 from hiserve.mem_cache.memory_pool import MHATokenToKVPool
 
-pytestmark = [pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="CPU kernels cannot be built here"),
-              pytest.mark.skipif(not prefix_split.available(), reason="this torch lacks the CPU flash op")]
+# The backend tests need the kernels (the paged rows) and the op (the split); the planning
+# tests need neither, and the no-op test fakes a torch without the op.
+needs_kernels = pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="CPU kernels cannot be built here")
+needs_op = pytest.mark.skipif(not prefix_split.available(), reason="this torch lacks the CPU flash op")
 EXTEND = ForwardMode.EXTEND
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -37,6 +39,8 @@ def _run(pools, backend, oracle, layer, dtype, new_lens):
     return backend._meta
 
 
+@needs_kernels
+@needs_op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -69,10 +73,9 @@ def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
 
 
 def test_plan_groups_thresholds():
-    base = torch.arange(10_000, 12_000)
+    base = torch.arange(10_000, 13_000)
     near = torch.cat([base[: prefix_split.MIN_SHARED_TOKENS - 1], torch.arange(20_000, 22_000)])
     far = torch.cat([base[:1900], torch.arange(30_000, 30_200)])
-    short = torch.cat([base[:300], torch.arange(40_000, 40_100)])
     groups, alone = prefix_split.plan_groups([(0, 10, 1990, base[:2000]), (10, 20, 1500, near[:1510]),
                                               (20, 25, 2050, far[:2055])])
     # near shares one slot too few and stays alone; far joins and shrinks the shared part
@@ -81,11 +84,57 @@ def test_plan_groups_thresholds():
     assert groups[0].rows.tolist() == list(range(10)) + list(range(20, 25)) and not groups[0].contiguous
     own_mask = groups[0].members[1].mask  # far: 5 new tokens over 2050 - 1900 own cached keys
     assert own_mask.shape == (5, 155) and own_mask[0].sum() == 151 and own_mask[4].all()
-    # 300 shared against 100 own (< MIN_SHARED_TO_OWN x): both alone, in batch order
-    groups, alone = prefix_split.plan_groups([(30, 90, 340, short[:400]), (0, 30, 300, base[:330])])
+    # 600 shared against 100 own (< MIN_SHARED_TO_OWN x): both alone, in batch order
+    short = torch.cat([base[:600], torch.arange(40_000, 40_100)])
+    groups, alone = prefix_split.plan_groups([(30, 90, 640, short[:700]), (0, 30, 600, base[:630])])
     assert not groups and [c[0] for c in alone] == [0, 30]
 
 
+def test_a_weak_sharer_does_not_cancel_a_group():
+    """Five requests on 1000 shared slots and one sharing only their first 600: the five stay a
+    group on 1000 (cutting it to 600 would fail MIN_SHARED_TO_OWN for them), the sixth alone."""
+    base = torch.arange(50_000, 51_000)
+    chunks = [(10 * i, 10 * i + 10, 1000, torch.cat([base, torch.arange(60_000 + 10 * i, 60_010 + 10 * i)]))
+              for i in range(5)]
+    weak = torch.cat([base[:600], torch.arange(70_000, 70_560)])
+    groups, alone = prefix_split.plan_groups(chunks[:2] + [(50, 60, 1150, weak)] + chunks[2:])
+    assert [(g.shared_slots.numel(), len(g.members)) for g in groups] == [(1000, 5)]
+    assert [c[0] for c in alone] == [50]
+
+
+def test_planning_is_linear_in_unrelated_chunks():
+    """Chunks that share nothing land in buckets of their own (by first slot): no comparisons."""
+    chunks = [(i, i + 1, 600, torch.arange(1000 * i, 1000 * i + 601)) for i in range(200)]
+    calls = []
+    original = prefix_split._common_len
+    try:
+        prefix_split._common_len = lambda a, b: calls.append(1) or original(a, b)
+        groups, alone = prefix_split.plan_groups(chunks)
+    finally:
+        prefix_split._common_len = original
+    assert not groups and len(alone) == 200 and not calls
+
+
+@needs_kernels
+@needs_op
+def test_group_whose_first_member_has_the_longest_prefix():
+    """The shared part shrinks as members join (the first member caches 256 tokens more)."""
+    torch.manual_seed(5)
+    kv = MHATokenToKVPool(8192, 16, torch.bfloat16, 2, 64, 1, "cpu")
+    pools = Pools(kv, max_reqs=6, max_context=4096)
+    backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
+    backend.extend_route = "sdpa"
+    layer = RadixAttention(6, 64, 0.125, 2, layer_id=0)
+    _run(pools, backend, oracle, layer, torch.bfloat16, {"sys": 1600})
+    pools.share_prefix("long", "sys", 1536 + 64)
+    pools.share_prefix("b", "sys", 1536)
+    pools.share_prefix("c", "sys", 1536)
+    meta = _run(pools, backend, oracle, layer, torch.bfloat16, {"long": 40, "b": 30, "c": 20})
+    assert [(g.shared_slots.numel(), [m.own_slots.numel() for m in g.members]) for g in meta.groups] == \
+        [(1536, [64 + 40, 30, 20])]
+
+
+@needs_kernels
 def test_without_the_flash_op_long_chunks_run_gathered(monkeypatch):
     """A torch without `_scaled_dot_product_flash_attention_for_cpu`: one masked SDPA call a
     chunk over its gathered context (the path before the split), still equal to the oracle."""

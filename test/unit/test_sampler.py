@@ -33,6 +33,22 @@ def test_greedy_is_argmax_and_skips_softmax(monkeypatch):
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_greedy_on_the_cpu_takes_the_argmax_kernel(monkeypatch):
+    """CPU logits go through jit_kernel.cpu.argmax where the kernels load; torch's otherwise."""
+    from hiserve.engine import sampler as sampler_mod
+    from hiserve.jit_kernel import cpu as cpu_kernels
+
+    logits = random_logits(5, seed=9)
+    info = make_info([SamplingParams(temperature=0.0) for _ in range(5)])
+    calls = []
+    real = cpu_kernels.argmax if cpu_kernels.can_use_cpu_kernels() else (lambda x: x.argmax(-1))
+    monkeypatch.setattr(sampler_mod.cpu_kernels, "argmax", lambda x: calls.append(x.shape) or real(x))
+    monkeypatch.setattr(sampler_mod.cpu_kernels, "can_use_cpu_kernels", lambda: True)
+    assert torch.equal(Sampler().sample(logits, info), logits.argmax(-1)) and calls == [(5, V)]
+    monkeypatch.setattr(sampler_mod.cpu_kernels, "can_use_cpu_kernels", lambda: False)
+    assert torch.equal(Sampler().sample(logits, info), logits.argmax(-1)) and len(calls) == 1
+
+
 def test_top_k_one_is_greedy_even_with_temperature():
     logits = random_logits(4, seed=1)
     info = make_info([SamplingParams(temperature=1.5, top_k=1)] * 4)

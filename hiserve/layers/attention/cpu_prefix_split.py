@@ -11,9 +11,9 @@ Why: requests of one batch whose contexts start with the same pool slots (a shar
 prompt that the radix cache matched for all of them) run their prefix part as one unmasked call
 over one gathered copy of the shared keys, with all their queries as rows and a KV head's G query
 heads folded into them (one pass over K/V per KV head for all: GQA). Only such groups are split,
-and only where the shared prefix is long against each member's own part: a request alone gains
-nothing (its unmasked prefix call is no faster than its one masked call plus a merge: 1.01x at
-56 new tokens over 1008, 1.32x at 200 over 300), nor do short prefixes (see MIN_SHARED_TO_OWN). Measured per layer on a
+and only where the shared prefix is long, also against each member's own part: for a request
+alone, or a short prefix, the unmasked prefix call plus the own call and the merge are no
+faster than one masked call (see MIN_SHARED_TOKENS). Measured per layer on a
 2-core Xeon with AMX, SmolLM2-135M heads, bf16 (benchmark/cpu/bench_prefix_split.py,
 benchmark/results/cpu_prefix_split.json): 7 requests of 56 new tokens over a shared 1008-token
 prefix 10.5 -> 6.0 ms, 4 of 128 over 2048 16.8 -> 10.3 ms.
@@ -32,10 +32,10 @@ import torch
 
 # A group is split only where its shared prefix is long, absolutely and against each member's own
 # part (its cached tokens past the shared ones plus its new tokens): per layer, split / one masked
-# call each (benchmark/results/cpu_prefix_split.json, 2-core Xeon): 1008 shared, 50-56 own:
-# 0.54-0.75; 2048 / 128: 0.61; 400 / 100: 0.99; 200 / 50: 1.07; 300 / 100-200: 1.22-1.47;
-# 120 / 30: 1.49.
-MIN_SHARED_TOKENS = 256
+# call each, benchmark/results/cpu_prefix_split.json (2-core Xeon with AMX): 0.53-0.72 at 1008
+# and 2048 shared tokens (8-20x the own part), 0.90-1.02 at 512 (break-even), 1.02-1.40 at 256,
+# 1.05-1.17 at 4x or less of the own part.
+MIN_SHARED_TOKENS = 512
 MIN_SHARED_TO_OWN = 8
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -85,33 +85,45 @@ def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
+def _fits(shared_len: int, items: list[tuple[int, int, int, torch.Tensor]]) -> bool:
+    """Whether a group of `items` on `shared_len` leading slots is worth splitting."""
+    worst_own = max(p - shared_len + e - s for s, e, p, _ in items)
+    return shared_len >= MIN_SHARED_TOKENS and shared_len >= MIN_SHARED_TO_OWN * worst_own
+
+
 def plan_groups(chunks: list[tuple[int, int, int, torch.Tensor]]
                 ) -> tuple[list[PrefixGroup], list[tuple[int, int, int, torch.Tensor]]]:
     """Group EXTEND chunks over a cached prefix by shared leading slots.
 
     chunks: (q_start, q_end, prefix_len, slots [prefix_len + n] int64) per request, n =
-    q_end - q_start >= 1, prefix_len >= 1. A chunk joins the first group whose shared slots it
-    starts with for at least MIN_SHARED_TOKENS (the group's shared length shrinks to the common
-    part, never below that); else it opens a group of its own, shared = its whole prefix. New
-    tokens have slots of their own, so a shared part never reaches into a request's new tokens.
-    Returns (the groups of two or more requests whose shared length is at least
-    MIN_SHARED_TO_OWN x each member's own part, the other chunks in batch order).
+    q_end - q_start >= 1, prefix_len >= 1. Chunks are bucketed by their first slot (any shared
+    run starts there, so planning stays linear in the batch); within a bucket a chunk joins the
+    group it shares most leading slots with if the group, its shared part cut to that common
+    run, still passes `_fits` (MIN_SHARED_TOKENS, MIN_SHARED_TO_OWN x every member's own
+    part), else it opens a group of its own (shared = its whole prefix): one weakly sharing
+    request cannot cancel a good group. New tokens have slots of their own, so a shared part
+    never reaches into a request's new tokens.
+    Returns (the groups of two or more requests that pass `_fits`, the other chunks in batch
+    order). Raises nothing on well-formed chunks (IndexError on an empty slots tensor).
     """
-    anchors: list[list] = []  # [shared_slots, [(q_start, q_end, prefix, slots)]]
+    buckets: dict[int, list[list]] = {}  # first slot -> [[shared_slots, [chunk, ...]], ...]
     for chunk in chunks:
-        _, _, prefix, slots = chunk
-        for entry in anchors:
+        prefix, slots = chunk[2], chunk[3]
+        entries = buckets.setdefault(int(slots[0]), [])
+        best, best_common = None, 0
+        for entry in entries:
             common = _common_len(entry[0], slots[:prefix])
-            if common >= MIN_SHARED_TOKENS:
-                entry[0] = entry[0][:common]
-                entry[1].append(chunk)
-                break
+            if common > best_common and _fits(common, entry[1] + [chunk]):
+                best, best_common = entry, common
+        if best is None:
+            entries.append([slots[:prefix], [chunk]])
         else:
-            anchors.append([slots[:prefix], [chunk]])
+            best[0] = best[0][:best_common]
+            best[1].append(chunk)
     groups, alone = [], []
-    for shared, items in anchors:
+    for shared, items in (entry for entries in buckets.values() for entry in entries):
         L = shared.numel()
-        if len(items) < 2 or L < MIN_SHARED_TO_OWN * max(p - L + e - s for s, e, p, _ in items):
+        if len(items) < 2 or not _fits(L, items):
             alone += items
             continue
         members = []
@@ -135,9 +147,14 @@ def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grou
     q [T, Hq * D], out [T, Hq * D] (q's dtype); k_buf / v_buf [pool, Hkv, D] (any float dtype,
     cast to q's). Query head h reads KV head h // G (G = Hq / Hkv), as SDPA's enable_gqa. The
     shared keys are read once for all members; each member's own keys once; the two states merge
-    by their log-sum-exps (weights in float32).
+    by their log-sum-exps. Raises ValueError where K and V head dims differ or Hq % Hkv != 0
+    (the flash op takes one head dim; the MHA pool holds one, so the backend never passes such),
+    TypeError where this torch lacks the op (`available()`), RuntimeError from the op.
     """
     hkv, d = k_buf.shape[1], k_buf.shape[2]
+    if v_buf.shape[2] != d or num_heads % hkv or q.shape[1] != num_heads * d:
+        raise ValueError(f"attend_group takes K and V of one head dim and Hq % Hkv == 0: K {tuple(k_buf.shape)}, "
+                         f"V {tuple(v_buf.shape)}, {num_heads} query heads, q {tuple(q.shape)}")
     g, n_all, dt = num_heads // hkv, group.rows.numel(), q.dtype
     # Fold: [N, Hkv, G, D] -> [1, Hkv, G * N, D]; row r of a KV head is query r % N of head g = r // N.
     qf = q.index_select(0, group.rows).view(n_all, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_all, d)
@@ -155,9 +172,9 @@ def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grou
         o_own[:, :, start : start + n] = o.view(hkv, g, n, d)
         lse_own[:, :, start : start + n] = lse.view(hkv, g, n)
         start += n
-    # The own part's weight e^lo / (e^ls + e^lo) = sigmoid(lo - ls), computed in float32; one
-    # lerp (float32 inside) then forms the merged output in q's dtype: a single pass over the
-    # outputs instead of six.
+    # The own part's weight e^lo / (e^ls + e^lo) = sigmoid(lo - ls), computed in float32 and
+    # rounded to q's dtype (lerp takes one dtype); one lerp then forms the merged output: a
+    # single pass over the outputs instead of six (bf16 error as the masked call's, measured).
     w_own = torch.sigmoid(lse_own - lse_shared.view(hkv, g, n_all)).unsqueeze(-1).to(dt)
     merged = torch.lerp(o_shared.view(hkv, g, n_all, d), o_own, w_own).permute(2, 0, 1, 3)  # [N, Hkv, G, D]
     if group.contiguous:

@@ -111,7 +111,7 @@ inline void argmax_rows(const float* x, int64_t x_stride, int64_t* out, int64_t 
       for (int j = 0; j < kLanes; ++j) {
         const float v = r[i + j];
         lane[j] = v > lane[j] ? v : lane[j];
-        bad[j] |= v != v;
+        bad[j] |= v != v;  // NaN test: valid because the kernels build without -ffast-math
       }
     float mx = -INFINITY;
     int nan = 0;
