@@ -28,6 +28,16 @@ EXTEND = ForwardMode.EXTEND
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
+def _bf16_case(pool_tokens: int, max_context: int):
+    """(pools, backend on the sdpa route, oracle, layer): bf16, page 16, 6 query heads on 2 KV
+    heads of dim 64; unpack into `_run`."""
+    kv = MHATokenToKVPool(pool_tokens, 16, torch.bfloat16, 2, 64, 1, "cpu")
+    pools = Pools(kv, max_reqs=6, max_context=max_context)
+    backend = CpuPagedAttnBackend(pools)
+    backend.extend_route = "sdpa"
+    return pools, backend, TorchNativeAttnBackend(), RadixAttention(6, 64, 0.125, 2, layer_id=0)
+
+
 def _run(pools, backend, oracle, layer, dtype, new_lens):
     fb = pools.batch(EXTEND, new_lens, backend)
     t, hq, hkv, d = fb.out_cache_loc.numel(), layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -120,16 +130,13 @@ def test_planning_is_linear_in_unrelated_chunks():
 def test_group_whose_first_member_has_the_longest_prefix():
     """The shared part shrinks as members join (the first member caches 256 tokens more)."""
     torch.manual_seed(5)
-    kv = MHATokenToKVPool(8192, 16, torch.bfloat16, 2, 64, 1, "cpu")
-    pools = Pools(kv, max_reqs=6, max_context=4096)
-    backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
-    backend.extend_route = "sdpa"
-    layer = RadixAttention(6, 64, 0.125, 2, layer_id=0)
-    _run(pools, backend, oracle, layer, torch.bfloat16, {"sys": 1600})
+    case = _bf16_case(8192, 4096)
+    pools = case[0]
+    _run(*case, torch.bfloat16, {"sys": 1600})
     pools.share_prefix("long", "sys", 1536 + 64)
     pools.share_prefix("b", "sys", 1536)
     pools.share_prefix("c", "sys", 1536)
-    meta = _run(pools, backend, oracle, layer, torch.bfloat16, {"long": 40, "b": 30, "c": 20})
+    meta = _run(*case, torch.bfloat16, {"long": 40, "b": 30, "c": 20})
     assert [(g.shared_slots.numel(), [m.own_slots.numel() for m in g.members]) for g in meta.groups] == \
         [(1536, [64 + 40, 30, 20])]
 
@@ -138,13 +145,13 @@ def test_group_whose_first_member_has_the_longest_prefix():
 def test_without_the_flash_op_long_chunks_run_gathered(monkeypatch):
     """A torch without `_scaled_dot_product_flash_attention_for_cpu`: one masked SDPA call a
     chunk over its gathered context (the path before the split), still equal to the oracle."""
+    case = _bf16_case(4096, 2048)
+    pools = case[0]
+    _run(*case, torch.bfloat16, {"sys": 1000})
+    pools.share_prefix("a", "sys", 992)
+    chunks = {"a": 30, "sys": 9}  # with the op these two would be a group on 992 shared slots
+    assert len(prefix_split.plan_groups([(0, 30, 992, torch.arange(1022)),
+                                         (30, 39, 1000, torch.arange(1009))])[0]) == 1
     monkeypatch.setattr(prefix_split, "_FLASH_CPU", None)
-    kv = MHATokenToKVPool(4096, 16, torch.bfloat16, 2, 64, 1, "cpu")
-    pools = Pools(kv, max_reqs=6, max_context=2048)
-    backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
-    backend.extend_route = "sdpa"
-    layer = RadixAttention(6, 64, 0.125, 2, layer_id=0)
-    _run(pools, backend, oracle, layer, torch.bfloat16, {"sys": 500})
-    pools.share_prefix("a", "sys", 496)
-    meta = _run(pools, backend, oracle, layer, torch.bfloat16, {"a": 30, "sys": 9})
-    assert not meta.groups and sorted(len(m[2]) for m in meta.gathered) == [509, 526]
+    meta = _run(*case, torch.bfloat16, chunks)
+    assert not meta.groups and sorted(len(m[2]) for m in meta.gathered) == [1009, 1022]
