@@ -129,6 +129,9 @@ inline void amx_configure(int64_t chunks, int64_t last) {
   set(1, 16);
   set(3, last);
   for (int64_t c = 0; c < chunks; ++c) set(4 + static_cast<int>(c), c + 1 == chunks ? last : 16);
+  // gcc 12 may drop these stores as dead before the ldtilecfg that reads them (seen with a
+  // plain loop: a zero-width config and a fault); the barrier keeps them.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
