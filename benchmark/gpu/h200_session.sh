@@ -33,6 +33,8 @@
 #   bash benchmark/gpu/h200_session.sh s7-probe     # hit latency page 64 with overlap on / off; issue 12 at
 #                                                   #   concurrency 1 and 16 with one prefill per wave (~8 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
+#   bash benchmark/gpu/h200_session.sh s15-probe    # HTTP parser check, client vs server time of a device hit
+#                                                   #   with py-spy of every process (~4 min)
 #   bash benchmark/gpu/h200_session.sh s8-hits      # hit latency page 64 raw vs httpx client, page 16, and the
 #                                                   #   in-process device-hit profile (~8 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the
@@ -169,6 +171,14 @@ case "${1:-tests}" in
       | tee "$OUT/write_back.txt"
     timeout 170 python3 benchmark/hicache/bench_hit_latency.py --page-sizes 64 --repeats 5 --out-dir "$OUT" \
       --name h200_hit_latency_s8_final 2>&1 | tail -9
+    ;;
+  s15-probe)
+    # Session 15: which HTTP parser the server gets here (the project requires httptools; without it
+    # uvicorn falls back to h11), client vs server time of a device hit (py-spy when carried).
+    python3 -c "import uvicorn, httptools; print('uvicorn', uvicorn.__version__, 'httptools', httptools.__version__)" \
+      2>&1 | tee "$OUT/http_parser.txt"
+    timeout 200 python3 benchmark/hicache/profile_hit_path.py --lengths 2048 6144 8064 --rate 500 --top 70 \
+      --out-dir "$OUT" --name h200_hit_path_s15 2>&1 | tail -120 | tee "$OUT/hit_path.txt"
     ;;
   s8-hits)
     # Session 8: hit latency at page 64 with the raw client (default) and httpx (sessions up to 7), page 16

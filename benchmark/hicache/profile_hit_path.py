@@ -34,20 +34,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hit_latency import NEW_TOKENS, REPO_ROOT, timed_generate  # noqa: E402  (sets sys.path too)
+from bench_hit_latency import NEW_TOKENS, REPO_ROOT, RawClient, timed_generate  # noqa: E402  (sets sys.path too)
 from common import base_record, write_record  # noqa: E402
 from server import kill, popen_launch_server  # noqa: E402
 
 from hiserve.testing.dummy_model import SHAPES, write_dummy_model  # noqa: E402
 
 
-def hit(client: httpx.Client, base: str, ids: list[int]) -> tuple[float, float]:
-    """(client ms, server e2e ms) of one /generate."""
-    ms, meta = timed_generate(client, base, ids)
+def hit(client: RawClient, ids: list[int]) -> tuple[float, float]:
+    """(client ms, server e2e ms) of one /generate (kept-alive connection, body encoded
+    before the clock starts, as bench_hit_latency.py's default client)."""
+    ms, meta = timed_generate(client, ids)
     return ms, meta["e2e_latency"] * 1e3
 
 
@@ -86,12 +86,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     new = lambda: [rng.randrange(10, cfg["vocab_size"]) for _ in range(NEW_TOKENS)]  # noqa: E731
     rows, stacks = [], None
     try:
-        with httpx.Client(timeout=600) as client:
+        with RawClient(base) as client:
             for length in args.lengths:
                 prefix = [rng.randrange(10, cfg["vocab_size"]) for _ in range(length)]
-                hit(client, base, prefix + new())  # cold
+                hit(client, prefix + new())  # cold
                 time.sleep(0.5)  # its write-through done
-                samples = [hit(client, base, prefix + new()) for _ in range(args.hits)]
+                samples = [hit(client, prefix + new()) for _ in range(args.hits)]
                 c = statistics.median(s[0] for s in samples)
                 s = statistics.median(s[1] for s in samples)
                 rows.append({"prefix_tokens": length, "client_ms": c, "server_e2e_ms": s,
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         "-o", str(raw), "--pid", str(proc.pid)], stdout=subprocess.DEVNULL)
                 time.sleep(2.0)
                 for _ in range(args.hits):
-                    hit(client, base, prefix + new())
+                    hit(client, prefix + new())
                 rec.send_signal(signal.SIGINT)
                 rec.wait(timeout=60)
                 stacks = summarize_stacks(raw.read_text(), args.top) if raw.exists() else None
