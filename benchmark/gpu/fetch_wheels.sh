@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python 3.12 wheels an H200 call needs beyond its image (which has torch, triton, httpx,
-# transformers, ... but not the serving stack), at the versions this checkout's .venv runs, so
-# the GPU figures are taken with every dependency pyproject.toml declares. httptools matters:
+# transformers, ... but not the serving stack), at the versions this checkout's .venv runs: every
+# runtime dependency pyproject.toml declares except those a CUDA image brings with torch (numpy,
+# transformers, safetensors, tqdm, httpx), so the GPU figures are taken with the declared stack. httptools matters:
 # without it uvicorn falls back to the pure-Python h11 parser, which cost 0.4-1.1 ms more per
 # /generate of 4,000 input_ids (benchmark/results/cpu_http_parser_ab.json).
 #
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 PKGS="fastapi starlette uvicorn httptools pydantic pydantic_core annotated-types typing-inspection
 annotated-doc opentelemetry-api typing_extensions anyio sniffio pyzmq orjson gguf xgrammar apache-tvm-ffi
-pytest-asyncio jsonschema jsonschema-specifications referencing rpds-py"
+prometheus-client ninja sentencepiece pytest-asyncio jsonschema jsonschema-specifications referencing rpds-py"
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64
 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64"

@@ -34,7 +34,7 @@
 #                                                   #   concurrency 1 and 16 with one prefill per wave (~8 min)
 #   bash benchmark/gpu/h200_session.sh tp2-cpu      # the CPU-checkable parts of tp2 (gloo, tiny models, ~3 min)
 #   bash benchmark/gpu/h200_session.sh s15-probe    # HTTP parser check, client vs server time of a device hit
-#                                                   #   with py-spy of every process (~4 min)
+#                                                   #   with py-spy of every process (~2-4 min)
 #   bash benchmark/gpu/h200_session.sh s8-hits      # hit latency page 64 raw vs httpx client, page 16, and the
 #                                                   #   in-process device-hit profile (~8 min)
 # Expects the machine's python3 (torch + CUDA), FA3 importable (PYTHONPATH), and the

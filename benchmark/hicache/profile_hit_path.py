@@ -6,8 +6,8 @@ device hit, as bench_hit_latency.py times it). For each prefix length, N hits ar
 by the client and by the server (`meta_info.e2e_latency`: from the API process's receipt
 of the parsed request to its last output), so
 
-    client - server = the client's JSON encoding, HTTP both ways, FastAPI's parsing,
-                      the response;
+    client - server = HTTP both ways, uvicorn's and FastAPI's parsing, the response
+                      (the client encodes the body before its clock starts);
     server          = tokenizer manager -> scheduler -> forward -> detokenizer -> back.
 
 With py-spy installed, the hits at the longest length run again under
