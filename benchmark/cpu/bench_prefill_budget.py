@@ -29,30 +29,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scheduler_steps import Driver, _cpu_model, shared_prefix  # noqa: E402
+from bench_scheduler_steps import Driver, _cpu_model, run_closed_loop, shared_prefix  # noqa: E402
 
 
 def closed_loop(d: Driver, concurrency: int = 16, num: int = 32, prompt: int = 300, out: int = 128) -> dict:
-    """Scenario (b) at one concurrency: output tok/s (wall) and mean TTFT in ms."""
+    """Scenario (b) at one concurrency: output tok/s (wall) and mean TTFT in ms (`d` must time
+    with the wall clock, as main() builds it)."""
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 20000) for _ in range(prompt)] for _ in range(num)]
-    arrive, first = {}, {}
     t0 = time.perf_counter()
-    for p in prompts[:concurrency]:
-        arrive[d.submit(p, out)] = time.perf_counter()
-    nxt = concurrency
-    while d.busy():
-        _, _, outs = d.step()
-        now = time.perf_counter()
-        for rid, finished in outs:
-            first.setdefault(rid, now)
-            if finished and nxt < num:
-                arrive[d.submit(prompts[nxt], out)] = time.perf_counter()
-                nxt += 1
+    ttft, _ = run_closed_loop(d, prompts, concurrency, out)
     elapsed = time.perf_counter() - t0
     d.sched.flush_cache()
-    return {"output_tok_s": num * out / elapsed, "ttft_mean_ms": statistics.mean(
-        (first[r] - arrive[r]) * 1e3 for r in arrive)}
+    return {"output_tok_s": num * out / elapsed, "ttft_mean_ms": statistics.mean(ttft)}
 
 
 def main() -> None:

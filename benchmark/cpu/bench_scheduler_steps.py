@@ -100,6 +100,27 @@ def batched_decode(d: Driver, batch: int = 16, prompt: int = 300, out: int = 64)
     return {"batch": batch, "decode_step_ms": statistics.median(steps), "steps": len(steps)}
 
 
+def run_closed_loop(d: Driver, prompts: list[list[int]], concurrency: int, out: int) -> tuple[list[float], list[float]]:
+    """Serve `prompts` with `concurrency` in flight, the next arriving when one finishes (`out`
+    output tokens each, ignore_eos). Returns (every request's TTFT, every prefill step's time),
+    in ms of `d.clock`: TTFT runs from arrival to the step that emits its first token."""
+    arrive, first, prefills = {}, {}, []
+    for p in prompts[:concurrency]:
+        arrive[d.submit(p, out)] = d.clock()
+    nxt = concurrency
+    while d.busy():
+        ext, ms, emitted = d.step()
+        if ext:
+            prefills.append(ms)
+        now = d.clock()
+        for rid, finished in emitted:
+            first.setdefault(rid, now)
+            if finished and nxt < len(prompts):
+                arrive[d.submit(prompts[nxt], out)] = d.clock()
+                nxt += 1
+    return [(first[r] - arrive[r]) * 1e3 for r in arrive], prefills
+
+
 def shared_prefix(d: Driver, num: int = 32, concurrency: int = 8, seed: int = 0) -> dict:
     """Scenario (c), closed loop; mean/median TTFT and every prefill batch."""
     rng = random.Random(seed)
@@ -111,22 +132,8 @@ def shared_prefix(d: Driver, num: int = 32, concurrency: int = 8, seed: int = 0)
         ids = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": words(45)}],
                                       add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    arrive, first, prefills = {}, {}, []
-    for p in prompts[:concurrency]:
-        arrive[d.submit(p, 32)] = d.clock()
-    nxt = concurrency
-    while d.busy():
-        ext, ms, out = d.step()
-        if ext:
-            prefills.append(ms)
-        now = d.clock()
-        for rid, finished in out:
-            first.setdefault(rid, now)
-            if finished and nxt < num:
-                arrive[d.submit(prompts[nxt], 32)] = d.clock()
-                nxt += 1
+    ttft, prefills = run_closed_loop(d, prompts, concurrency, 32)
     d.sched.flush_cache()
-    ttft = [(first[r] - arrive[r]) * 1e3 for r in arrive]
     return {"requests": num, "prompt_tokens": len(prompts[0]), "ttft_mean_ms": statistics.mean(ttft),
             "ttft_median_ms": statistics.median(ttft), "prefill_steps_ms": prefills}
 
