@@ -1,6 +1,9 @@
 """EXTEND attention over a cached prefix on the CPU's SDPA route: one masked SDPA call a request
 over its gathered context (the path before `cpu_prefix_split`, and still a lone request's) against the split prefix / own
-calls merged by log-sum-exp, with the prefix call shared by the requests on the same slots.
+calls merged by log-sum-exp, with the prefix call shared by the requests on the same slots; and,
+within the split, the members' own parts as one call each against one padded batched call
+(`cpu_prefix_split.MAX_OWN_PADDING`; the "own each" column times the former, "split" whatever
+the planner chose).
 
 Cases (SmolLM2-135M heads: 9 query heads, 3 KV heads, head dim 64, bf16; slots scattered in a
 40000-slot pool): B requests of n new tokens over one shared cached prefix of L tokens, as in
@@ -16,6 +19,7 @@ Prints a table; the JSON holds the command, CPU (lscpu), threads, date and per-c
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -83,13 +87,18 @@ def run_case(b: int, n: int, prefix: int, repeats: int) -> dict:
         prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item() + 1e-3, f"outputs differ by {err}"
-    before, after = [], []
-    for _ in range(repeats):  # interleaved: a noisy host hits both alike
+    each = [copy.copy(g) for g in groups]
+    for g in each:
+        g.batched = None  # the own parts one call a member
+    before, after, own_each = [], [], []
+    for _ in range(repeats):  # interleaved: a noisy host hits all alike
         before += _samples_ms(lambda: _gathered(q, kb, vb, chunks, want), 1)
         after += _samples_ms(lambda: [prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got) for g in groups], 1)
-    mb, ma = statistics.median(before), statistics.median(after)
+        own_each += _samples_ms(lambda: [prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got) for g in each], 1)
+    mb, ma, me = statistics.median(before), statistics.median(after), statistics.median(own_each)
     return {"requests": b, "new_tokens": n, "shared_prefix": prefix, "gathered_ms": mb, "split_shared_ms": ma,
-            "ratio": ma / mb, "max_abs_error": err}
+            "ratio": ma / mb, "own_batched": any(g.batched is not None for g in groups), "split_own_each_ms": me,
+            "batched_to_each": ma / me, "max_abs_error": err}
 
 
 def main() -> None:
@@ -101,17 +110,21 @@ def main() -> None:
         raise SystemExit("this torch lacks aten._scaled_dot_product_flash_attention_for_cpu")
     rows = [run_case(b, n, p, args.repeats) for b, n, p in CASES]
     print(f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads, one layer, medians of {args.repeats}")
-    print(f"{'requests x new over shared':>28} {'gathered ms':>12} {'split+shared ms':>16} {'ratio':>6}")
+    print(f"{'requests x new over shared':>28} {'gathered ms':>12} {'split+shared ms':>16} {'ratio':>6} "
+          f"{'own each ms':>12} {'split/own each':>15}")
     for r in rows:
         case = f"{r['requests']} x {r['new_tokens']} over {r['shared_prefix']}"
-        print(f"{case:>28} {r['gathered_ms']:12.2f} {r['split_shared_ms']:16.2f} {r['ratio']:6.2f}")
+        own = f"{r['batched_to_each']:15.2f}" if r["own_batched"] else f"{'(not batched)':>15}"
+        print(f"{case:>28} {r['gathered_ms']:12.2f} {r['split_shared_ms']:16.2f} {r['ratio']:6.2f} "
+              f"{r['split_own_each_ms']:12.2f} {own}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu_prefix_split", "command": " ".join([sys.executable] + sys.argv),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": _cpu_model(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "thresholds": {"MIN_SHARED_TOKENS": prefix_split.MIN_SHARED_TOKENS,
-                           "MIN_SHARED_TO_OWN": prefix_split.MIN_SHARED_TO_OWN}, "rows": rows}, indent=2) + "\n")
+                           "MIN_SHARED_TO_OWN": prefix_split.MIN_SHARED_TO_OWN,
+                           "MAX_OWN_PADDING": prefix_split.MAX_OWN_PADDING}, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,7 @@ def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
     # the shared prompt's group ("tail"'s own 64 cached tokens are in its own part); "other"
     # shares with no one: one masked call over its gathered context
     assert shapes == [(992, [7, 50, 64 + 33, 100])], shapes
+    assert meta.groups[0].batched is None  # padding the own parts to 100 x 100 would cost 2.5x: one call each
     assert [len(m[2]) for m in meta.gathered] == [320]
     assert meta.fresh and meta.paged is not None  # "fresh" and "short" took the other paths
     meta = _run(pools, backend, oracle, layer, dtype, {"b": 2, "a": 9, "c": 5})  # the kernel's and a group's rows
@@ -155,3 +156,29 @@ def test_without_the_flash_op_long_chunks_run_gathered(monkeypatch):
     monkeypatch.setattr(prefix_split, "_FLASH_CPU", None)
     meta = _run(*case, torch.bfloat16, chunks)
     assert not meta.groups and sorted(len(m[2]) for m in meta.gathered) == [1009, 1022]
+
+
+@needs_kernels
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_own_parts_batched_into_one_call(group, dtype):
+    """Members of similar size (scenario (c)'s questions on one system prompt) run their own parts
+    as one padded call; one member also has cached tokens of its own. Equal to the oracle, and
+    the padded query rows and keys leave no trace."""
+    torch.manual_seed(40 + group)
+    hkv, d = 2, 64
+    kv = MHATokenToKVPool(8192, 1, dtype, hkv, d, 1, "cpu")
+    pools = Pools(kv, max_reqs=8, max_context=2048)
+    backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
+    backend.extend_route = "sdpa"
+    layer = RadixAttention(hkv * group, d, d ** -0.5, hkv, layer_id=0)
+    _run(pools, backend, oracle, layer, dtype, {"sys": 1000})
+    pools.share_prefix("tail", "sys", 992)
+    _run(pools, backend, oracle, layer, dtype, {"tail": 8})
+    for name in ("a", "b", "c", "e"):
+        pools.share_prefix(name, "sys", 992)
+    meta = _run(pools, backend, oracle, layer, dtype, {"a": 50, "b": 41, "tail": 37, "c": 56, "e": 47})
+    (grp,) = meta.groups
+    assert grp.batched is not None and (grp.batched.n_max, grp.batched.t_max) == (56, 56)
+    assert sorted(m.own_slots.numel() for m in grp.members) == [41, 8 + 37, 47, 50, 56]

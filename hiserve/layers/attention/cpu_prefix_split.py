@@ -18,6 +18,12 @@ faster than one masked call (see MIN_SHARED_TOKENS). Measured per layer on a
 benchmark/results/cpu_prefix_split.json): 7 requests of 56 new tokens over a shared 1008-token
 prefix 10.5 -> 6.0 ms, 4 of 128 over 2048 16.8 -> 10.3 ms.
 
+The members' own parts run as one batched call (batch = member, queries and own keys padded
+to the longest, padding masked out) where the padding at most doubles their work
+(MAX_OWN_PADDING): one call of a few dozen queries each costs mostly its fixed overhead, and
+scenario (c)'s 8 members took 1.6-5.3 ms a layer as 8 calls against 0.6-1.0 ms as one
+(benchmark/cpu/bench_prefix_split.py). Otherwise one call each.
+
 The two parts run `aten._scaled_dot_product_flash_attention_for_cpu`, the kernel
 `F.scaled_dot_product_attention` dispatches to on the CPU, called directly because it also
 returns the log-sum-exp. `available()` is False where this torch lacks it; the caller then keeps
@@ -37,6 +43,9 @@ import torch
 # 1.05-1.17 at 4x or less of the own part.
 MIN_SHARED_TOKENS = 512
 MIN_SHARED_TO_OWN = 8
+# The own parts are batched into one call where padding them to the longest member's queries and
+# keys costs at most this factor of their unpadded work (query-key pairs); else one call each.
+MAX_OWN_PADDING = 2.0
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -72,10 +81,58 @@ class PrefixGroup:
     rows: torch.Tensor = field(init=False)  # [N] int64: the members' q rows, member after member
     contiguous: bool = field(init=False)  # rows are consecutive (the output is then one slice)
 
+    batched: _OwnBatch | None = field(init=False)  # the members' own parts as one padded call, or None
+
     def __post_init__(self):
         self.rows = torch.cat([m.rows for m in self.members])
         first = int(self.rows[0])
         self.contiguous = bool(torch.equal(self.rows, torch.arange(first, first + self.rows.numel())))
+        self.batched = _OwnBatch.plan(self.members)
+
+
+@dataclass
+class _OwnBatch:
+    """The members' own parts padded to one batched flash call: member i's n_i queries and T_i own
+    keys in batch row i, padded to n_max queries and T_max keys (padded keys masked out; a padded
+    query row sees its row's first key only, so that no row is all -inf, and is dropped)."""
+
+    q_rows: torch.Tensor  # [B * n_max] int64 rows of q, member after member (padding repeats a row)
+    slots: torch.Tensor  # [B * T_max] int64 pool slots (padding repeats the member's first own slot)
+    valid: torch.Tensor  # [N] positions of the real query rows in B * n_max order
+    visible: torch.Tensor  # [B, n_max, T_max] bool
+    n_max: int
+    t_max: int
+    _float_mask: dict = field(default_factory=dict)  # (dtype, G) -> [B, 1, G * n_max, T_max]
+
+    @staticmethod
+    def plan(members: list[_Member]) -> _OwnBatch | None:
+        """The padded batch, or None where padding would cost over MAX_OWN_PADDING x the work."""
+        ns = [m.rows.numel() for m in members]
+        ts = [m.own_slots.numel() for m in members]
+        n_max, t_max = max(ns), max(ts)
+        if len(members) * n_max * t_max > MAX_OWN_PADDING * sum(n * t for n, t in zip(ns, ts)):
+            return None
+        b = len(members)
+        q_rows = torch.empty(b, n_max, dtype=torch.int64)
+        slots = torch.empty(b, t_max, dtype=torch.int64)
+        visible = torch.zeros(b, n_max, t_max, dtype=torch.bool)
+        for i, (m, n, t) in enumerate(zip(members, ns, ts)):
+            q_rows[i, :n], q_rows[i, n:] = m.rows, m.rows[0]
+            slots[i, :t], slots[i, t:] = m.own_slots, m.own_slots[0]
+            visible[i, :n, :t] = m.mask
+            visible[i, n:, 0] = True
+        valid = torch.cat([torch.arange(i * n_max, i * n_max + n) for i, n in enumerate(ns)])
+        return _OwnBatch(q_rows.flatten(), slots.flatten(), valid, visible, n_max, t_max)
+
+    def additive_mask(self, dtype: torch.dtype, group: int) -> torch.Tensor:
+        """[B, 1, G * n_max, T_max] in `dtype` (0 / -inf), rows in the folded (head, query) order."""
+        m = self._float_mask.get((dtype, group))
+        if m is None:
+            b = self.visible.shape[0]
+            m = torch.zeros(self.visible.shape, dtype=dtype).masked_fill_(~self.visible, float("-inf"))
+            m = m.unsqueeze(1).expand(b, group, self.n_max, self.t_max).reshape(b, 1, group * self.n_max, self.t_max)
+            m = self._float_mask.setdefault((dtype, group), m.contiguous())
+        return m
 
 
 def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -140,6 +197,41 @@ def _gather_heads(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) ->
     return buf.index_select(0, slots).to(dtype).transpose(0, 1).unsqueeze(0)
 
 
+def _own_each(qv: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, members: list[_Member],
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own parts, one flash call a member: qv [Hkv, G, N, D] -> (o [Hkv, G, N, D] in qv's
+    dtype, lse [Hkv, G, N] float32)."""
+    hkv, g, n_all, d = qv.shape
+    dt = qv.dtype
+    o_own = torch.empty(hkv, g, n_all, d, dtype=dt)
+    lse_own = torch.empty(hkv, g, n_all, dtype=torch.float32)
+    start = 0
+    for m in members:
+        n = m.rows.numel()
+        qm = qv[:, :, start : start + n].reshape(1, hkv, g * n, d)
+        o, lse = _FLASH_CPU(qm, _gather_heads(k_buf, m.own_slots, dt), _gather_heads(v_buf, m.own_slots, dt),
+                            0.0, False, attn_mask=m.additive_mask(dt, g), scale=scale)
+        o_own[:, :, start : start + n] = o.view(hkv, g, n, d)
+        lse_own[:, :, start : start + n] = lse.view(hkv, g, n)
+        start += n
+    return o_own, lse_own
+
+
+def _own_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, ob: _OwnBatch, hkv: int, g: int,
+                 d: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own parts as one padded call (`_OwnBatch`): q [T, Hq * D] -> (o [Hkv, G, N, D] in q's
+    dtype, lse [Hkv, G, N] float32), N the members' query rows in member order."""
+    b, dt = ob.visible.shape[0], q.dtype
+    qb = q.index_select(0, ob.q_rows).view(b, ob.n_max, hkv, g, d).permute(0, 2, 3, 1, 4)
+    kb, vb = (buf.index_select(0, ob.slots).view(b, ob.t_max, hkv, d).transpose(1, 2).to(dt) for buf in (k_buf, v_buf))
+    o, lse = _FLASH_CPU(qb.reshape(b, hkv, g * ob.n_max, d), kb, vb, 0.0, False,
+                        attn_mask=ob.additive_mask(dt, g), scale=scale)
+    # [B, Hkv, G, n_max, ...] -> [Hkv, G, B * n_max, ...], then the real rows in member order
+    o = o.view(b, hkv, g, ob.n_max, d).permute(1, 2, 0, 3, 4).reshape(hkv, g, b * ob.n_max, d)
+    lse = lse.view(b, hkv, g, ob.n_max).permute(1, 2, 0, 3).reshape(hkv, g, b * ob.n_max)
+    return o.index_select(2, ob.valid), lse.index_select(2, ob.valid)
+
+
 def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: PrefixGroup,
                  num_heads: int, scale: float, out: torch.Tensor) -> None:
     """Write the group's attention into out[group.rows].
@@ -160,18 +252,10 @@ def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, grou
     qf = q.index_select(0, group.rows).view(n_all, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_all, d)
     o_shared, lse_shared = _FLASH_CPU(qf, _gather_heads(k_buf, group.shared_slots, dt),
                                       _gather_heads(v_buf, group.shared_slots, dt), 0.0, False, scale=scale)
-    o_own = torch.empty(hkv, g, n_all, d, dtype=dt)
-    lse_own = torch.empty(hkv, g, n_all, dtype=torch.float32)
-    qv = qf.view(hkv, g, n_all, d)
-    start = 0
-    for m in group.members:
-        n = m.rows.numel()
-        qm = qv[:, :, start : start + n].reshape(1, hkv, g * n, d)
-        o, lse = _FLASH_CPU(qm, _gather_heads(k_buf, m.own_slots, dt), _gather_heads(v_buf, m.own_slots, dt),
-                            0.0, False, attn_mask=m.additive_mask(dt, g), scale=scale)
-        o_own[:, :, start : start + n] = o.view(hkv, g, n, d)
-        lse_own[:, :, start : start + n] = lse.view(hkv, g, n)
-        start += n
+    if group.batched is not None:
+        o_own, lse_own = _own_batched(q, k_buf, v_buf, group.batched, hkv, g, d, scale)
+    else:
+        o_own, lse_own = _own_each(qf.view(hkv, g, n_all, d), k_buf, v_buf, group.members, scale)
     # The own part's weight e^lo / (e^ls + e^lo) = sigmoid(lo - ls), computed in float32 and
     # rounded to q's dtype (lerp takes one dtype); one lerp then forms the merged output: a
     # single pass over the outputs instead of six (bf16 error as the masked call's, measured).
