@@ -50,6 +50,51 @@ def profile_steps(d: Driver, steps: int, rows: int) -> tuple[str, list[dict], fl
     return avg.table(sort_by="self_cpu_time_total", row_limit=rows), ops, total_us / steps / 1e3
 
 
+# Kernel entry points: (module path, attribute). Each is called through its module attribute on
+# the hot path (`cpu_kernels.rmsnorm(...)`, `_INT4_MM(...)`, `self._dense_call(...)` inside
+# `_dense_matmul`), so replacing the attribute times every call.
+_KERNELS = [("hiserve.jit_kernel.cpu", name) for name in
+            ("paged_attention", "rmsnorm", "rotary", "silu_and_mul", "argmax", "gguf_gemm", "gguf_amx_gemm")]
+_KERNELS += [("hiserve.layers.quantization.gguf", "_INT4_MM"),
+             ("hiserve.layers.quantization.gguf:GGUFInt4Linear", "_dense_matmul"),
+             ("hiserve.layers.quantization.gguf:GGUFBlockLinear", "_dense_matmul")]
+
+
+def kernel_split(d: Driver, steps: int) -> tuple[list[dict], float]:
+    """Wall ms a step inside each kernel entry point (wrapper checks and output allocation
+    included) over `steps` decode steps, and the step's median wall ms meanwhile; the rest of the
+    step is Python and dispatch around the kernels."""
+    import importlib
+
+    spent: dict[str, list[float]] = {}
+    saved = []
+    for path, name in _KERNELS:
+        mod, _, cls = path.partition(":")
+        owner = getattr(importlib.import_module(mod), cls) if cls else importlib.import_module(mod)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        saved.append((owner, name, fn))
+        acc = spent.setdefault(name if name != "_dense_matmul" else f"{cls}._dense_matmul", [0.0, 0])
+
+        def timed(*a, _fn=fn, _acc=acc, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _acc[0] += time.perf_counter() - t
+                _acc[1] += 1
+        setattr(owner, name, timed)
+    try:
+        wall = [d.step()[1] for _ in range(steps)]
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    rows = [{"kernel": k, "calls_per_step": n / steps, "ms_per_step": t / steps * 1e3}
+            for k, (t, n) in spent.items() if n]
+    return sorted(rows, key=lambda r: -r["ms_per_step"]), statistics.median(wall)
+
+
 def python_profile(d: Driver, steps: int, rows: int) -> list[dict]:
     """cProfile's functions by own time over `steps` decode steps (ms a step)."""
     import cProfile
@@ -82,6 +127,12 @@ def main() -> None:
     shared_prefix(d, num=4)  # warm-up: kernels built, allocator primed
     steady_decode(d, args.batch, args.prompt, out=4 * args.steps + 8)
     wall = [d.step()[1] for _ in range(args.steps)]
+    split, split_step_ms = kernel_split(d, args.steps)
+    in_kernels = sum(r["ms_per_step"] for r in split)
+    print(f"kernel split over {args.steps} steps (median step {split_step_ms:.2f} ms, mean inside kernels "
+          f"{in_kernels:.2f} ms):")
+    for r in split:
+        print(f"  {r['kernel']:<34} {r['calls_per_step']:6.0f} calls {r['ms_per_step']:8.2f} ms")
     table, ops, prof_ms = profile_steps(d, args.steps, args.rows)
     print(table)
     step_ms = statistics.median(wall)
@@ -101,7 +152,9 @@ def main() -> None:
             "cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "flags": {"dtype": d.sched.server_args.dtype, "quantization": d.sched.server_args.quantization},
             "batch": args.batch, "prompt": args.prompt, "step_ms_wall": wall, "step_ms_median": step_ms,
-            "profiled_self_ms_per_step": prof_ms, "top_ops": ops, "python_profile": funcs}, indent=1))
+            "profiled_self_ms_per_step": prof_ms, "top_ops": ops, "python_profile": funcs,
+            "kernel_split": {"step_ms_median": split_step_ms, "inside_kernels_ms_per_step": in_kernels,
+                             "kernels": split}}, indent=1))
 
 
 if __name__ == "__main__":
