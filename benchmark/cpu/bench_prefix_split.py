@@ -1,9 +1,10 @@
 """EXTEND attention over a cached prefix on the CPU's SDPA route: one masked SDPA call a request
-over its gathered context (the path before `cpu_prefix_split`, and still a lone request's) against the split prefix / own
-calls merged by log-sum-exp, with the prefix call shared by the requests on the same slots; and,
-within the split, the members' own parts as one call each against one padded batched call
-(`cpu_prefix_split.MAX_OWN_PADDING`; the "own each" column times the former, "split" whatever
-the planner chose).
+over its gathered context (the path before `cpu_prefix_split`, and still a lone request's)
+against the split prefix / own calls merged by log-sum-exp, with the prefix call shared by the
+requests on the same slots; and, within the split, the members' own parts as one padded batched
+call ("split+shared", whatever their padding factor) against one call each ("own each"): the
+thresholds MIN_SHARED_TOKENS, MIN_SHARED_TO_OWN, MAX_OWN_PADDING and MAX_OWN_PADDED_PAIRS rest on
+these cases.
 
 Cases (SmolLM2-135M heads: 9 query heads, 3 KV heads, head dim 64, bf16; slots scattered in a
 40000-slot pool): B requests of n new tokens over one shared cached prefix of L tokens, as in
@@ -38,16 +39,22 @@ from hiserve.layers.attention import cpu_prefix_split as prefix_split  # noqa: E
 HQ, HKV, D, POOL = 9, 3, 64, 40000
 # (B, n, L): scenario (c)'s shapes, then the edges behind MIN_SHARED_TO_OWN
 CASES = [(7, 56, 1008), (8, 50, 1008), (2, 56, 1008), (4, 128, 2048), (2, 60, 512), (2, 32, 512), (4, 32, 256),
-         (2, 32, 256), (2, 16, 256), (2, 100, 400), (4, 50, 200), (8, 100, 300), (2, 200, 300), (2, 30, 120)]
+         (2, 32, 256), (2, 16, 256), (2, 100, 400), (4, 50, 200), (8, 100, 300), (2, 200, 300), (2, 30, 120),
+         # members of unequal size: own-part padding factors ~1.3, ~1.6, ~1.9 (MAX_OWN_PADDING)
+         (4, (56, 50, 44, 40), 1008), (4, (56, 44, 36, 30), 1008), (4, (56, 40, 30, 30), 1008),
+         (2, (200, 100), 1600), (3, (128, 96, 64), 2048)]
 
 
-def _inputs(b: int, n: int, prefix: int, gen: torch.Generator):
+def _inputs(b: int, n: int | tuple[int, ...], prefix: int, gen: torch.Generator):
+    """n: every request's new tokens, or each one's (a tuple of b)."""
+    ns = n if isinstance(n, tuple) else (n,) * b
     kb = torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16)
     vb = torch.randn(POOL, HKV, D, generator=gen).to(torch.bfloat16)
     perm = torch.randperm(POOL, generator=gen)
-    chunks = [(i * n, (i + 1) * n, prefix, torch.cat([perm[:prefix], perm[prefix + i * n : prefix + (i + 1) * n]]))
-              for i in range(b)]
-    q = torch.randn(b * n, HQ * D, generator=gen).to(torch.bfloat16)
+    starts = [sum(ns[:i]) for i in range(b + 1)]
+    chunks = [(starts[i], starts[i + 1], prefix,
+               torch.cat([perm[:prefix], perm[prefix + starts[i] : prefix + starts[i + 1]]])) for i in range(b)]
+    q = torch.randn(starts[-1], HQ * D, generator=gen).to(torch.bfloat16)
     return q, kb, vb, chunks
 
 
@@ -73,14 +80,20 @@ def _samples_ms(fn, repeats: int, inner: int = 5) -> list[float]:
     return samples
 
 
-def run_case(b: int, n: int, prefix: int, repeats: int) -> dict:
-    q, kb, vb, chunks = _inputs(b, n, prefix, torch.Generator().manual_seed(b * 1000 + n))
-    limits = prefix_split.MIN_SHARED_TOKENS, prefix_split.MIN_SHARED_TO_OWN
-    prefix_split.MIN_SHARED_TOKENS, prefix_split.MIN_SHARED_TO_OWN = 1, 0  # time the split even where
-    try:  # plan_groups would not choose it: these cases are what its thresholds rest on
+def run_case(b: int, n: int | tuple[int, ...], prefix: int, repeats: int) -> dict:
+    seed = b * 1000 + sum(n if isinstance(n, tuple) else (n,))
+    q, kb, vb, chunks = _inputs(b, n, prefix, torch.Generator().manual_seed(seed))
+    names = ("MIN_SHARED_TOKENS", "MIN_SHARED_TO_OWN", "MAX_OWN_PADDING", "MAX_OWN_PADDED_PAIRS")
+    limits = [getattr(prefix_split, k) for k in names]
+    # time the split (and the own parts batched) even where plan_groups would not choose it:
+    # these cases are what its thresholds rest on
+    for k, v in zip(names, (1, 0, float("inf"), float("inf"))):
+        setattr(prefix_split, k, v)
+    try:
         groups, _ = prefix_split.plan_groups(chunks)
     finally:
-        prefix_split.MIN_SHARED_TOKENS, prefix_split.MIN_SHARED_TO_OWN = limits
+        for k, v in zip(names, limits):
+            setattr(prefix_split, k, v)
     want, got = torch.empty_like(q), torch.empty_like(q)
     _gathered(q, kb, vb, chunks, want)
     for g in groups:
@@ -96,8 +109,11 @@ def run_case(b: int, n: int, prefix: int, repeats: int) -> dict:
         after += _samples_ms(lambda: [prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got) for g in groups], 1)
         own_each += _samples_ms(lambda: [prefix_split.attend_group(q, kb, vb, g, HQ, D ** -0.5, got) for g in each], 1)
     mb, ma, me = statistics.median(before), statistics.median(after), statistics.median(own_each)
-    return {"requests": b, "new_tokens": n, "shared_prefix": prefix, "gathered_ms": mb, "split_shared_ms": ma,
-            "ratio": ma / mb, "own_batched": any(g.batched is not None for g in groups), "split_own_each_ms": me,
+    ns = [e - s for s, e, _, _ in chunks]
+    pad = b * max(ns) ** 2 / sum(x * x for x in ns)  # own part = the new tokens here (no own cached)
+    return {"requests": b, "new_tokens": n, "own_padding_factor": pad, "shared_prefix": prefix,
+            "gathered_ms": mb, "split_shared_ms": ma,
+            "ratio": ma / mb, "split_own_each_ms": me,
             "batched_to_each": ma / me, "max_abs_error": err}
 
 
@@ -110,13 +126,12 @@ def main() -> None:
         raise SystemExit("this torch lacks aten._scaled_dot_product_flash_attention_for_cpu")
     rows = [run_case(b, n, p, args.repeats) for b, n, p in CASES]
     print(f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads, one layer, medians of {args.repeats}")
-    print(f"{'requests x new over shared':>28} {'gathered ms':>12} {'split+shared ms':>16} {'ratio':>6} "
-          f"{'own each ms':>12} {'split/own each':>15}")
+    print(f"{'requests x new over shared':>34} {'gathered ms':>12} {'split+shared ms':>16} {'ratio':>6} "
+          f"{'own each ms':>12} {'padding':>8} {'batched/each':>13}")
     for r in rows:
         case = f"{r['requests']} x {r['new_tokens']} over {r['shared_prefix']}"
-        own = f"{r['batched_to_each']:15.2f}" if r["own_batched"] else f"{'(not batched)':>15}"
-        print(f"{case:>28} {r['gathered_ms']:12.2f} {r['split_shared_ms']:16.2f} {r['ratio']:6.2f} "
-              f"{r['split_own_each_ms']:12.2f} {own}")
+        print(f"{case:>34} {r['gathered_ms']:12.2f} {r['split_shared_ms']:16.2f} {r['ratio']:6.2f} "
+              f"{r['split_own_each_ms']:12.2f} {r['own_padding_factor']:8.2f} {r['batched_to_each']:13.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu_prefix_split", "command": " ".join([sys.executable] + sys.argv),
@@ -124,7 +139,8 @@ def main() -> None:
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "thresholds": {"MIN_SHARED_TOKENS": prefix_split.MIN_SHARED_TOKENS,
                            "MIN_SHARED_TO_OWN": prefix_split.MIN_SHARED_TO_OWN,
-                           "MAX_OWN_PADDING": prefix_split.MAX_OWN_PADDING}, "rows": rows}, indent=2) + "\n")
+                           "MAX_OWN_PADDING": prefix_split.MAX_OWN_PADDING,
+                           "MAX_OWN_PADDED_PAIRS": prefix_split.MAX_OWN_PADDED_PAIRS}, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
     meta = _run(pools, backend, oracle, layer, dtype, {"b": 2, "a": 9, "c": 5})  # the kernel's and a group's rows
     assert meta.paged.q_rows.tolist() == [0, 1] and meta.groups[0].rows.tolist() == list(range(2, 16))
     assert not meta.fresh and meta.groups[0].contiguous
+    assert meta.groups[0].batched is not None  # 9 and 5 queries padded to 9: the own parts in one call
 
 
 def test_plan_groups_thresholds():

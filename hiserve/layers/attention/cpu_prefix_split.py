@@ -20,9 +20,11 @@ prefix 10.5 -> 6.0 ms, 4 of 128 over 2048 16.8 -> 10.3 ms.
 
 The members' own parts run as one batched call (batch = member, queries and own keys padded
 to the longest, padding masked out) where the padding at most doubles their work
-(MAX_OWN_PADDING): one call of a few dozen queries each costs mostly its fixed overhead, and
-scenario (c)'s 8 members took 1.6-5.3 ms a layer as 8 calls against 0.6-1.0 ms as one
-(benchmark/cpu/bench_prefix_split.py). Otherwise one call each.
+(MAX_OWN_PADDING, MAX_OWN_PADDED_PAIRS): a call of a few dozen queries costs mostly its fixed
+overhead. Scenario
+(c)'s groups, a layer's whole grouped attention (benchmark/results/cpu_prefix_split_own_batched.json):
+7 x 56 new tokens over 1008 shared 9.5 -> 8.3 ms, 8 x 50 8.1 -> 6.8 ms (0.84-0.87x; 0.87-0.90x
+in a first run). Otherwise one call each.
 
 The two parts run `aten._scaled_dot_product_flash_attention_for_cpu`, the kernel
 `F.scaled_dot_product_attention` dispatches to on the CPU, called directly because it also
@@ -44,8 +46,13 @@ import torch
 MIN_SHARED_TOKENS = 512
 MIN_SHARED_TO_OWN = 8
 # The own parts are batched into one call where padding them to the longest member's queries and
-# keys costs at most this factor of their unpadded work (query-key pairs); else one call each.
+# keys costs at most MAX_OWN_PADDING x their unpadded work (query-key pairs) and at most
+# MAX_OWN_PADDED_PAIRS pairs more: batching saves the calls' fixed overhead, which padding large
+# parts outweighs (benchmark/results/cpu_prefix_split_own_batched.json, a layer's grouped
+# attention batched / one call each: 0.93-0.97 at padding 1.4-1.9 with ~6000 pairs added, 0.99
+# with ~19000 (128/96/64 queries), 1.13 with 30000 (200/100)).
 MAX_OWN_PADDING = 2.0
+MAX_OWN_PADDED_PAIRS = 16384
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -80,7 +87,6 @@ class PrefixGroup:
     members: list[_Member]
     rows: torch.Tensor = field(init=False)  # [N] int64: the members' q rows, member after member
     contiguous: bool = field(init=False)  # rows are consecutive (the output is then one slice)
-
     batched: _OwnBatch | None = field(init=False)  # the members' own parts as one padded call, or None
 
     def __post_init__(self):
@@ -98,19 +104,22 @@ class _OwnBatch:
 
     q_rows: torch.Tensor  # [B * n_max] int64 rows of q, member after member (padding repeats a row)
     slots: torch.Tensor  # [B * T_max] int64 pool slots (padding repeats the member's first own slot)
-    valid: torch.Tensor  # [N] positions of the real query rows in B * n_max order
+    valid: torch.Tensor | None  # [N] int64 positions of the real query rows in B * n_max order (None: all)
     visible: torch.Tensor  # [B, n_max, T_max] bool
     n_max: int
     t_max: int
-    _float_mask: dict = field(default_factory=dict)  # (dtype, G) -> [B, 1, G * n_max, T_max]
+    # (dtype, G) -> [B, 1, G * n_max, T_max] additive mask
+    _float_mask: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def plan(members: list[_Member]) -> _OwnBatch | None:
-        """The padded batch, or None where padding would cost over MAX_OWN_PADDING x the work."""
+        """The padded batch, or None where padding would cost over MAX_OWN_PADDING x the work or
+        over MAX_OWN_PADDED_PAIRS query-key pairs more."""
         ns = [m.rows.numel() for m in members]
         ts = [m.own_slots.numel() for m in members]
         n_max, t_max = max(ns), max(ts)
-        if len(members) * n_max * t_max > MAX_OWN_PADDING * sum(n * t for n, t in zip(ns, ts)):
+        padded, work = len(members) * n_max * t_max, sum(n * t for n, t in zip(ns, ts))
+        if padded > MAX_OWN_PADDING * work or padded - work > MAX_OWN_PADDED_PAIRS:
             return None
         b = len(members)
         q_rows = torch.empty(b, n_max, dtype=torch.int64)
@@ -121,7 +130,8 @@ class _OwnBatch:
             slots[i, :t], slots[i, t:] = m.own_slots, m.own_slots[0]
             visible[i, :n, :t] = m.mask
             visible[i, n:, 0] = True
-        valid = torch.cat([torch.arange(i * n_max, i * n_max + n) for i, n in enumerate(ns)])
+        valid = None if min(ns) == n_max else torch.cat([torch.arange(i * n_max, i * n_max + n)
+                                                         for i, n in enumerate(ns)])
         return _OwnBatch(q_rows.flatten(), slots.flatten(), valid, visible, n_max, t_max)
 
     def additive_mask(self, dtype: torch.dtype, group: int) -> torch.Tensor:
@@ -229,7 +239,9 @@ def _own_batched(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, ob: 
     # [B, Hkv, G, n_max, ...] -> [Hkv, G, B * n_max, ...], then the real rows in member order
     o = o.view(b, hkv, g, ob.n_max, d).permute(1, 2, 0, 3, 4).reshape(hkv, g, b * ob.n_max, d)
     lse = lse.view(b, hkv, g, ob.n_max).permute(1, 2, 0, 3).reshape(hkv, g, b * ob.n_max)
-    return o.index_select(2, ob.valid), lse.index_select(2, ob.valid)
+    if ob.valid is None:  # no padded query row
+        return o, lse.float()
+    return o.index_select(2, ob.valid), lse.index_select(2, ob.valid).float()
 
 
 def attend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: PrefixGroup,
