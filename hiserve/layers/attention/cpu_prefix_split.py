@@ -21,10 +21,10 @@ prefix 10.5 -> 6.0 ms, 4 of 128 over 2048 16.8 -> 10.3 ms.
 The members' own parts run as one batched call (batch = member, queries and own keys padded
 to the longest, padding masked out) where the padding at most doubles their work
 (MAX_OWN_PADDING, MAX_OWN_PADDED_PAIRS): a call of a few dozen queries costs mostly its fixed
-overhead. Scenario
-(c)'s groups, a layer's whole grouped attention (benchmark/results/cpu_prefix_split_own_batched.json):
-7 x 56 new tokens over 1008 shared 9.5 -> 8.3 ms, 8 x 50 8.1 -> 6.8 ms (0.84-0.87x; 0.87-0.90x
-in a first run). Otherwise one call each.
+overhead. Scenario (c)'s groups, a layer's whole grouped attention
+(benchmark/results/cpu_prefix_split_own_batched.json): 7 x 56 new tokens over 1008 shared
+9.5 -> 8.3 ms, 8 x 50 8.1 -> 6.8 ms (0.84-0.87x; 0.87-0.90x in a first run). Otherwise one call
+each.
 
 The two parts run `aten._scaled_dot_product_flash_attention_for_cpu`, the kernel
 `F.scaled_dot_product_attention` dispatches to on the CPU, called directly because it also
@@ -61,6 +61,11 @@ def available() -> bool:
     return _FLASH_CPU is not None
 
 
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: the key is seen) as the flash op takes it: 0 / -inf in `dtype`."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
 @dataclass
 class _Member:
     """One request of a group: its q rows [n], and the keys past the shared part."""
@@ -74,8 +79,7 @@ class _Member:
         """The mask as the flash op takes it (q's dtype, 0 / -inf), repeated for G folded heads."""
         m = self._float_mask.get((dtype, group))
         if m is None:
-            m = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
-            m = self._float_mask.setdefault((dtype, group), m.repeat(group, 1))
+            m = self._float_mask.setdefault((dtype, group), _additive(self.mask, dtype).repeat(group, 1))
         return m
 
 
@@ -139,9 +143,8 @@ class _OwnBatch:
         m = self._float_mask.get((dtype, group))
         if m is None:
             b = self.visible.shape[0]
-            m = torch.zeros(self.visible.shape, dtype=dtype).masked_fill_(~self.visible, float("-inf"))
-            m = m.unsqueeze(1).expand(b, group, self.n_max, self.t_max).reshape(b, 1, group * self.n_max, self.t_max)
-            m = self._float_mask.setdefault((dtype, group), m.contiguous())
+            m = _additive(self.visible, dtype).unsqueeze(1).expand(b, group, self.n_max, self.t_max)
+            m = self._float_mask.setdefault((dtype, group), m.reshape(b, 1, group * self.n_max, self.t_max))
         return m
 
 
