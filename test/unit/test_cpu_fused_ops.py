@@ -114,3 +114,26 @@ def test_argmax_ties_infinities_and_nan_as_torch():
     assert cpu_kernels.argmax(x).tolist() == [0, 5, 0, 10, 999]
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.argmax(x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.runnable_isas())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 100, 7])
+def test_rmsnorm_and_silu_every_isa_tier(isa, dtype, hidden):
+    """Each tier's own code (AVX-512: 16-lane rows with masked tails, rounding by VCVTNEPS2BF16
+    where AVX512-BF16 has it; below: the scalar loops) on widths with and without a tail."""
+    mod = cpu_kernels.load_cpu_module(isa)
+    torch.manual_seed(hidden)
+    x, r = torch.randn(37, hidden).to(dtype), torch.randn(37, hidden).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    for threads in (1, 2):
+        mod.rmsnorm(x, r, w, out, res, True, 1e-5, threads)
+        assert torch.equal(res, x + r)
+        assert_close(out, rmsnorm_reference(x + r, w, 1e-5))
+        mod.rmsnorm(x, x, w, out, out, False, 1e-5, threads)
+        assert_close(out, rmsnorm_reference(x, w, 1e-5))
+        g = (3 * torch.randn(37, 2 * hidden)).to(dtype)
+        s = torch.empty(37, hidden, dtype=dtype)
+        mod.silu_and_mul(g, s, threads)
+        assert_close(s, silu_and_mul_reference(g))

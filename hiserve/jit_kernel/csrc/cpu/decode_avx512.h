@@ -34,6 +34,7 @@
 #include <limits>
 
 #include "common.h"
+#include "simd_avx512.h"
 
 namespace hiserve {
 namespace cpu {
@@ -103,20 +104,6 @@ inline __m512 hsum16(const __m512* v) {
 #define HISERVE_UNROLL _Pragma("GCC unroll 16")
 
 constexpr int kBlockOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-// fast_exp (common.h) on 16 lanes: the same clamp, reduction and polynomial, except that
-// max/min turn a NaN score into -87 (weight ~0) where the scalar version keeps the NaN.
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 // Into L2 (T1), not L1: rows a batch of slots apart (B x Hkv x D x 2 bytes, 6 KB at B = 16)
 // fall in a few L1 sets, so a tile's worth of prefetched lines evicted each other there. At

@@ -10,9 +10,57 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_avx2.h"  // load8, fast_exp8 (AVX2 builds without AVX-512)
+#include "simd_avx512.h"
 
 namespace hiserve {
 namespace cpu {
+
+// One token of rmsnorm below: xt, rt (or null), ot, nr (written when rt is set) [hidden];
+// row: float scratch [hidden].
+template <typename T>
+void rmsnorm_row(const T* xt, const T* rt, const T* weight, T* ot, T* nr, int64_t hidden, float eps, float* row) {
+  float ss = 0.f;
+  if (rt != nullptr) {
+    for (int64_t i = 0; i < hidden; ++i) {
+      nr[i] = from_float<T>(to_float(xt[i]) + to_float(rt[i]));
+      row[i] = to_float(nr[i]);
+    }
+  } else {
+    load_row(xt, row, hidden);
+  }
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < hidden; ++i) ss += row[i] * row[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) ot[i] = from_float<T>(to_float(weight[i]) * round_to<T>(row[i] * inv));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// rmsnorm_row on 16 lanes, the same roundings (bf16 by VCVTNEPS2BF16, simd_avx512.h); no
+// scratch: the second pass re-reads the (rounded) residual sum or x. Only with AVX512-BF16:
+// with the 6-op integer rounding this was slower than gcc's vectorisation of the scalar loops
+// (benchmark/results/cpu_small_ops.json, the avx512 tier against the baseline loops).
+template <typename T>
+void rmsnorm_row_avx512(const T* xt, const T* rt, const T* weight, T* ot, T* nr, int64_t hidden, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __mmask16 m = tail16(i, hidden);
+    __m512 v = load16(xt + i, m);
+    if (rt != nullptr) {
+      v = round16<T>(_mm512_add_ps(v, load16(rt + i, m)));
+      store16(nr + i, v, m);
+    }
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(hidden) + eps));
+  const T* src = rt != nullptr ? nr : xt;
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __mmask16 m = tail16(i, hidden);
+    const __m512 normed = round16<T>(_mm512_mul_ps(load16(src + i, m), inv));
+    store16(ot + i, _mm512_mul_ps(load16(weight + i, m), normed), m);
+  }
+}
+#endif
 
 // x [T, H] (row stride x_stride), residual [T, H] or null, weight [H] -> out [T, H];
 // with a residual, new_residual [T, H] = x + residual (rounded to T) and the norm reads it.
@@ -21,26 +69,18 @@ void rmsnorm(const T* x, int64_t x_stride, const T* residual, const T* weight, T
              int64_t tokens, int64_t hidden, float eps, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (tokens * hidden >= kGrainSize)
   {
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
     std::vector<float> row(hidden);
+#endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
-      const T* xt = x + t * x_stride;
-      float ss = 0.f;
-      if (residual != nullptr) {
-        const T* rt = residual + t * hidden;
-        T* nr = new_residual + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
-          nr[i] = from_float<T>(to_float(xt[i]) + to_float(rt[i]));
-          row[i] = to_float(nr[i]);
-        }
-      } else {
-        load_row(xt, row.data(), hidden);
-      }
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < hidden; ++i) ss += row[i] * row[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-      T* ot = out + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) ot[i] = from_float<T>(to_float(weight[i]) * round_to<T>(row[i] * inv));
+      const T* rt = residual != nullptr ? residual + t * hidden : nullptr;
+      T* nr = residual != nullptr ? new_residual + t * hidden : nullptr;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+      rmsnorm_row_avx512(x + t * x_stride, rt, weight, out + t * hidden, nr, hidden, eps);
+#else
+      rmsnorm_row(x + t * x_stride, rt, weight, out + t * hidden, nr, hidden, eps, row.data());
+#endif
     }
   }
 }
@@ -71,6 +111,67 @@ void rotary(const T* x, int64_t x_stride, const float* cos, const float* sin, in
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One token of silu_and_mul on 16 lanes, the scalar loop's roundings (simd_avx512.h's: one
+// VCVTNEPS2BF16 where AVX512-BF16 has it). 0.75x the compiler-vectorised scalar loop at 16 and
+// 230 rows on the AMX Xeon with it, the same speed without (benchmark/results/cpu_small_ops.json).
+template <typename T>
+void silu_and_mul_row_avx512(const T* g, const T* u, T* o, int64_t inter) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < inter; i += 16) {
+    const __mmask16 m = tail16(i, inter);
+    const __m512 gi = load16(g + i, m);
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi));
+    const __m512 si = round16<T>(_mm512_div_ps(gi, _mm512_add_ps(one, e)));
+    store16(o + i, _mm512_mul_ps(si, load16(u + i, m)), m);
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+// round_to<T> on 8 lanes as bits in the low half of each 32-bit lane (bf16_bits16's integer
+// rounding: to nearest even, NaN kept quiet; AVX2 has no bf16 conversion).
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));  // both sides >= 0: signed compare
+  return _mm256_blendv_epi8(rounded, nan, is_nan);
+}
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (sizeof(T) == 4) return v;
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);  // packus works within 128-bit lanes: the permute puts the 8 words in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0xD8)));
+}
+
+// One token of silu_and_mul on 8 lanes (the tail scalar), the scalar loop's roundings. gcc
+// left that loop scalar on this tier, with a libm call an element: 6 ns an element on a 2-core
+// Xeon (avx2 build), 8x the AVX-512 build's (benchmark/results/cpu_small_ops.json).
+template <typename T>
+void silu_and_mul_row_avx2(const T* g, const T* u, T* o, int64_t inter) {
+  int64_t i = 0;
+  for (; i + 8 <= inter; i += 8) {
+    const __m256 gi = load8(g + i);
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi));
+    const __m256 si = round8<T>(_mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    store8(o + i, _mm256_mul_ps(si, load8(u + i)));
+  }
+  for (; i < inter; ++i) {
+    const float gi = to_float(g[i]);
+    o[i] = from_float<T>(round_to<T>(gi / (1.f + fast_exp(-gi))) * to_float(u[i]));
+  }
+}
+#endif
+
 // x [T, 2I] (gate | up, row stride x_stride) -> out [T, I] = silu(gate) * up, with silu
 // rounded to T first as F.silu(gate) * up does.
 template <typename T>
@@ -80,6 +181,11 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t tokens, int64_t 
     const T* g = x + t * x_stride;
     const T* u = g + inter;
     T* o = out + t * inter;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    silu_and_mul_row_avx512(g, u, o, inter);
+#elif defined(__AVX2__) && defined(__FMA__)
+    silu_and_mul_row_avx2(g, u, o, inter);
+#else
     // fast_exp (common.h) vectorises; std::exp is a scalar libm call per element, which made
     // this loop ~17% of a bf16 prefill. Its error (~1e-7 relative) is far below T's rounding.
 #pragma omp simd
@@ -88,6 +194,7 @@ void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t tokens, int64_t 
       const float si = round_to<T>(gi / (1.f + fast_exp(-gi)));
       o[i] = from_float<T>(si * to_float(u[i]));
     }
+#endif
   }
 }
 
