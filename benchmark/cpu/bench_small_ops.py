@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual) and SiLU-and-mul kernels of every ISA tier this CPU runs, same process.
+"""RMSNorm (+ residual), SiLU-and-mul and rotary kernels of every ISA tier this CPU runs, same process.
 
 Each tier's build of the CPU kernels (`hiserve.jit_kernel.cpu.load_cpu_module(isa)`) is called
 directly (no Python wrapper: the kernel and its tvm-ffi call) on SmolLM2's widths, bf16, at 1,
@@ -39,9 +39,13 @@ def cases(rows: int, hidden: int, inter: int):
     out, res = torch.empty_like(x), torch.empty_like(x)
     g = (3 * torch.randn(rows, 2 * inter, generator=gen)).bfloat16()
     s = torch.empty(rows, inter, dtype=torch.bfloat16)
+    qk = torch.randn(rows, 12, 64, generator=gen).bfloat16()  # SmolLM2's 9 q + 3 k heads, rotated in one call
+    cos, sin = torch.rand(rows, 32, generator=gen), torch.rand(rows, 32, generator=gen)
+    rot = torch.empty_like(qk)
     threads = torch.get_num_threads()  # the kernels run single-threaded below their grain size
     return [("rmsnorm+residual", lambda m: m.rmsnorm(x, r, w, out, res, True, 1e-5, threads)),
-            ("silu_and_mul", lambda m: m.silu_and_mul(g, s, threads))]
+            ("silu_and_mul", lambda m: m.silu_and_mul(g, s, threads)),
+            ("rotary (neox)", lambda m: m.rotary(qk, cos, sin, rot, 64, True, threads))]
 
 
 def main() -> None:
