@@ -273,7 +273,8 @@ def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> RMSNorm(x) [T, H]; with residual [T, H]: (RMSNorm(x + residual), x + residual).
-    Rounds as `hiserve.layers.norms.rmsnorm_reference` does. Raises ValueError on bad input."""
+    Rounds as `hiserve.layers.norms.rmsnorm_reference` does (on AVX512-BF16 CPUs a denormal
+    bf16 result, |v| < 2^-126, flushes to zero). Raises ValueError on bad input."""
     dt = x.dtype
     if not (dt in _DTYPES and x.is_cpu and weight.is_cpu and weight.dtype == dt and x.dim() == 2
             and x.stride(1) == 1 and weight.shape == (x.shape[1],)

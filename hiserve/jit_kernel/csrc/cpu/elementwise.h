@@ -38,8 +38,9 @@ void rmsnorm_row(const T* xt, const T* rt, const T* weight, T* ot, T* nr, int64_
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 // rmsnorm_row on 16 lanes, the same roundings (bf16 by VCVTNEPS2BF16, simd_avx512.h); no
 // scratch: the second pass re-reads the (rounded) residual sum or x. Only with AVX512-BF16:
-// with the 6-op integer rounding this was slower than gcc's vectorisation of the scalar loops
-// (benchmark/results/cpu_small_ops.json, the avx512 tier against the baseline loops).
+// on the avx512 tier, with the 6-op integer rounding, this row took 1.08-1.17x the time of the
+// compiler's vectorised scalar loop (bench_small_ops.py, 16 and 230 rows, an observation of
+// session 17 not kept as a JSON), so that tier keeps the loop.
 template <typename T>
 void rmsnorm_row_avx512(const T* xt, const T* rt, const T* weight, T* ot, T* nr, int64_t hidden, float eps) {
   __m512 ss = _mm512_setzero_ps();
@@ -114,7 +115,8 @@ void rotary(const T* x, int64_t x_stride, const float* cos, const float* sin, in
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // One token of silu_and_mul on 16 lanes, the scalar loop's roundings (simd_avx512.h's: one
 // VCVTNEPS2BF16 where AVX512-BF16 has it). 0.75x the compiler-vectorised scalar loop at 16 and
-// 230 rows on the AMX Xeon with it, the same speed without (benchmark/results/cpu_small_ops.json).
+// 230 rows on the AMX Xeon with it, within noise of it without (benchmark/results/
+// cpu_small_ops_before.json against cpu_small_ops.json, each as a ratio to the baseline loops).
 template <typename T>
 void silu_and_mul_row_avx512(const T* g, const T* u, T* o, int64_t inter) {
   const __m512 one = _mm512_set1_ps(1.f);
@@ -154,9 +156,9 @@ inline void store8(bf16* p, __m256 v) {
 }
 
 // One token of silu_and_mul on 8 lanes (the tail scalar), the scalar loop's roundings. gcc
-// left that loop scalar on this tier: 0.75x the time of the baseline build's scalar loop where
-// the AVX-512 builds took 0.08x; this row takes 0.14x (benchmark/results/cpu_small_ops*.json,
-// a 2-core Xeon running each tier's build).
+// left that loop scalar on this tier: 0.65-0.73x the time of the baseline build's scalar loop
+// where the AVX-512 builds took 0.08x; this row takes 0.14x (benchmark/results/
+// cpu_small_ops*.json, a 2-core Xeon running each tier's build).
 template <typename T>
 void silu_and_mul_row_avx2(const T* g, const T* u, T* o, int64_t inter) {
   int64_t i = 0;

@@ -3,7 +3,7 @@
 // round16), and a vector fast_exp.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // VL: the 256-bit masked bf16 ops
 #include <immintrin.h>
 
 #include "common.h"
@@ -79,4 +79,4 @@ inline __m512 fast_exp16(__m512 x) {
 
 }  // namespace cpu
 }  // namespace hiserve
-#endif  // __AVX512F__ && __AVX512BW__
+#endif  // __AVX512F__ && __AVX512BW__ && __AVX512VL__
