@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "common.h"
+#include "simd_avx2.h"
 
 namespace hiserve {
 namespace cpu {
@@ -35,12 +36,6 @@ constexpr int64_t kAvx2KeyTile = 64;   // keys scored before their softmax updat
 
 inline bool decode_avx2_fits(int64_t G, int64_t D, int64_t Dv) {
   return G >= 1 && G <= kAvx2MaxGroup && D == Dv && D % 8 == 0 && D <= kAvx2MaxDim;
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
 }
 
 // v[i]: 8 partial sums of one dot product each -> lane i holds the total of v[i].
@@ -55,19 +50,6 @@ inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-// fast_exp (common.h) on 8 lanes: the same clamp, reduction and polynomial.
-inline __m256 fast_exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  for (float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // Lanes [0, valid) all ones, the rest zero.

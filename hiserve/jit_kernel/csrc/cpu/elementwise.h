@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "common.h"
-#include "decode_avx2.h"  // load8, fast_exp8 (AVX2 builds without AVX-512)
+#include "simd_avx2.h"
 #include "simd_avx512.h"
 
 namespace hiserve {
@@ -131,30 +131,6 @@ void silu_and_mul_row_avx512(const T* g, const T* u, T* o, int64_t inter) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
-// round_to<T> on 8 lanes as bits in the low half of each 32-bit lane (bf16_bits16's integer
-// rounding: to nearest even, NaN kept quiet; AVX2 has no bf16 conversion).
-inline __m256i bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                            _mm256_set1_epi32(0x7f800000));  // both sides >= 0: signed compare
-  return _mm256_blendv_epi8(rounded, nan, is_nan);
-}
-template <typename T>
-inline __m256 round8(__m256 v) {
-  if constexpr (sizeof(T) == 4) return v;
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(bf16* p, __m256 v) {
-  const __m256i b = bf16_bits8(v);  // packus works within 128-bit lanes: the permute puts the 8 words in order
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0xD8)));
-}
-
 // One token of silu_and_mul on 8 lanes (the tail scalar), the scalar loop's roundings. gcc
 // left that loop scalar on this tier: 0.65-0.73x the time of the baseline build's scalar loop
 // where the AVX-512 builds took 0.08x; this row takes 0.14x (benchmark/results/

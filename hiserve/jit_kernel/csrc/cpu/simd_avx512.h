@@ -3,7 +3,7 @@
 // round16), and a vector fast_exp.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // VL: the 256-bit masked bf16 ops
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include "common.h"
@@ -14,8 +14,9 @@ namespace cpu {
 // The lanes set in `m` of p[0..16) as floats (the others zero; masked lanes do not fault).
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  // 512-bit masked word load (AVX512BW; the 256-bit form would also need AVX512VL), low half used
+  const __m512i h = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
 }
 
 // from_float<bf16> on 16 lanes, as bits in the low half of each 32-bit lane: round to
@@ -52,10 +53,11 @@ inline __m512 round16(__m512 v) {
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(bf16* p, __m512 v, __mmask16 m) {
 #if defined(__AVX512BF16__)
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
 #else
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+  const __m256i bits = _mm512_cvtepi32_epi16(bf16_bits16(v));
 #endif
+  _mm512_mask_storeu_epi16(p, static_cast<__mmask32>(m), _mm512_castsi256_si512(bits));  // as load16: no VL
 }
 
 // Lanes of the 16-wide step starting at i of a row of n.
@@ -79,4 +81,4 @@ inline __m512 fast_exp16(__m512 x) {
 
 }  // namespace cpu
 }  // namespace hiserve
-#endif  // __AVX512F__ && __AVX512BW__ && __AVX512VL__
+#endif  // __AVX512F__ && __AVX512BW__
