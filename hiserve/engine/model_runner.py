@@ -18,6 +18,7 @@ from hiserve.layers.attention.base import AttentionBackend
 from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.quantization import setup_int4_dispatch
 from hiserve.mem_cache.hierarchy import KVSpec, build_kv_hierarchy, cell_size_bytes, reserved_device_bytes
+from hiserve.models.cpu_decode_loop import attach_cpu_decode_loop
 from hiserve.models.loader import load_model
 from hiserve.models.model_config import ModelConfig
 from hiserve.server_args import ServerArgs
@@ -134,6 +135,8 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.init_memory_pool()
         self.attn_backend = create_pass_attention_backend(server_args, self)
+        if self.device.type == "cpu":  # DECODE passes as one loop over the layers (Llama family)
+            attach_cpu_decode_loop(self.model)
         self.sampler = Sampler()
         self._grammar = None  # GrammarBackend, built at the first constrained request
         self.cuda_graph_runner = self._create_cuda_graph_runner()

@@ -142,8 +142,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        # hiserve.models.cpu_decode_loop.CpuDecodeLoop, attached on the CPU where it can run
+        self.decode_loop = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
+        if self.decode_loop is not None:
+            hidden_states = self.decode_loop.forward(input_ids, positions, forward_batch)
+            if hidden_states is not None:
+                return hidden_states
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.get_cos_sin(positions)
         residual = None

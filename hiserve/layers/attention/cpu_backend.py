@@ -236,6 +236,19 @@ class CpuPagedAttnBackend(AttentionBackend):
         """MLA runs torch_native's path (see `TorchNativeAttnBackend.forward_mla`)."""
         return self._oracle.forward_mla(*args, **kwargs)
 
+    def decode_kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For the pass `init_forward_metadata` last prepared: (req_pool_indices [B], seq_lens
+        [B], q_starts [B + 1], out_cache_loc [T]) of `cpu_kernels.paged_attention`, when each
+        layer's attention is exactly that one call over the whole batch with the fused K/V store
+        (as `forward` then makes it); else None (the pass needs `forward`'s other paths).
+        A caller that makes the call itself (`hiserve.models.cpu_decode_loop`) must pass k/v
+        in the pool's dtype."""
+        meta = self._meta
+        if meta is None or meta.paged is None or meta.paged.q_rows is not None or meta.store_loc is None:
+            return None
+        p = meta.paged
+        return p.req_pool_indices, p.seq_lens, p.q_starts, meta.store_loc
+
     def _extend_route(self, pool) -> str:
         if self.extend_route is None:
             self.extend_route, why = extend_routing(pool.dtype, pool.head_dim)
