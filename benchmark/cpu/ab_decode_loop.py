@@ -3,7 +3,7 @@ the modules (`hiserve/models/cpu_decode_loop.py`), on `make serve` defaults.
 
 Builds the scheduler as the server does (`bench_scheduler_steps.Driver`), brings `--batch`
 requests of `--prompt` tokens into steady decode, then times whole scheduler steps (schedule +
-forward + sample + output, wall clock) alternating the two forms step by step, so machine noise
+forward + sample + output, wall clock) alternating the two forms step by step (ABBA), so noise
 hits both alike. Each batch size gets its own requests. Also checks, on one extra step per
 batch size, that both forms give bit-identical logits. Prints a table and writes JSON (command,
 CPU model, date, tree, figures). Run it on a quiet machine:
@@ -58,7 +58,7 @@ def ab(d: Driver, batch: int, prompt: int, steps: int) -> dict:
     times = {"modules": [], "loop": []}
     try:
         for i in range(2 * steps):
-            form = "loop" if i % 2 == 0 else "modules"
+            form = "loop" if i % 4 in (0, 3) else "modules"  # ABBA: neither form always goes first
             inner.decode_loop = loop if form == "loop" else None
             times[form].append(d.step()[1])
     finally:
@@ -89,7 +89,7 @@ def main() -> None:
                           cwd=Path(__file__).resolve().parent).stdout.strip()
     out = {"command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "cpu": _cpu_model(), "threads": torch.get_num_threads(), "tree": tree,
-           "clock": "wall, whole scheduler steps, forms alternating step by step", "rows": rows}
+           "clock": "wall, whole scheduler steps, forms alternating step by step (ABBA)", "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -6,7 +6,8 @@ runs as many again under `torch.profiler` and prints its operator table (self CP
 oneDNN GEMM and the Python around it are told apart) plus the share of the step each operator
 takes, then as many again under `cProfile`: hiserve's own C++ kernels (attention, AMX and block
 GEMMs, norms) are called through tvm-ffi, not as torch operators, so only the Python profile
-sees them (by the wrapper in `hiserve/jit_kernel/cpu.py` that calls each). Run it on a quiet
+sees them (by the wrapper in `hiserve/jit_kernel/cpu.py` that calls each, or, in the CPU decode
+loop, as the tvm-ffi functions themselves). Run it on a quiet
 machine: under CPU contention an OpenMP team's barriers stretch every parallel operator.
 
     PYTHONPATH=$PWD python benchmark/cpu/profile_decode_step.py --batch 16 [--out x.json]
@@ -53,21 +54,50 @@ def profile_steps(d: Driver, steps: int, rows: int) -> tuple[str, list[dict], fl
 # Kernel entry points: (module path, attribute). Each is called through its module attribute on
 # the hot path (`cpu_kernels.rmsnorm(...)`, `_INT4_MM(...)`, `self._dense_call(...)` inside
 # `_dense_matmul`), so replacing the attribute times every call.
-_KERNELS = [("hiserve.jit_kernel.cpu", name) for name in
-            ("paged_attention", "rmsnorm", "rotary", "silu_and_mul", "argmax", "gguf_gemm", "gguf_amx_gemm")]
+_KERNELS = [("hiserve.jit_kernel.cpu", name) for name in ("argmax", "gguf_gemm", "gguf_amx_gemm")]
+# These four the CPU decode loop (hiserve/models/cpu_decode_loop.py) calls on the C++ module
+# itself, not through the wrappers: they are timed there (`_TimedModule`), for either path, so
+# their figures leave out the wrappers' Python checks.
+_RAW_KERNELS = ("paged_attention", "rmsnorm", "rotary", "silu_and_mul")
+
+
+class _TimedModule:
+    """The JIT CPU module with `_RAW_KERNELS` timed into `spent`."""
+
+    def __init__(self, module, spent: dict[str, list[float]]):
+        self._module, self._spent = module, spent
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+        if name not in _RAW_KERNELS:
+            return fn
+        acc = self._spent.setdefault(f"{name} (C++)", [0.0, 0])
+
+        def timed(*a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                acc[0] += time.perf_counter() - t
+                acc[1] += 1
+        return timed
 _KERNELS += [("hiserve.layers.quantization.gguf", "_INT4_MM"),
              ("hiserve.layers.quantization.gguf:GGUFInt4Linear", "_dense_matmul"),
              ("hiserve.layers.quantization.gguf:GGUFBlockLinear", "_dense_matmul")]
 
 
 def kernel_split(d: Driver, steps: int) -> tuple[list[dict], float]:
-    """Wall ms a step inside each kernel entry point (wrapper checks and output allocation
-    included) over `steps` decode steps, and the step's median wall ms meanwhile; the rest of the
+    """Wall ms a step inside each kernel entry point (for `_KERNELS` their wrappers' checks and
+    output allocation included, for `_RAW_KERNELS` the C++ call alone) over `steps` decode steps, and the step's median wall ms meanwhile; the rest of the
     step is Python and dispatch around the kernels."""
     import importlib
 
+    from hiserve.jit_kernel import cpu as cpu_kernels
+
     spent: dict[str, list[float]] = {}
-    saved = []
+    load = cpu_kernels.load_cpu_module
+    saved = [(cpu_kernels, "load_cpu_module", load)]
+    cpu_kernels.load_cpu_module = lambda isa=None: _TimedModule(load(isa), spent)
     for path, name in _KERNELS:
         mod, _, cls = path.partition(":")
         owner = getattr(importlib.import_module(mod), cls) if cls else importlib.import_module(mod)

@@ -3,16 +3,19 @@
 Why: a CPU decode step of a small model is short, and the Python around its kernels was a
 large part of it: per layer about eleven `nn.Module` calls, each layer's CUDA/CPU route and
 dtype checks, and each kernel wrapper's input checks. For SmolLM2-135M on a 2-core AMX Xeon,
-in process with the two forms interleaved (`benchmark/cpu/ab_decode_loop.py`), the module
-path's batch-1 step took 8.8 ms and this loop's 6.7; at batch 16, 23.2 against 19.6 ms.
+in process with the two forms interleaved (`benchmark/cpu/ab_decode_loop.py`,
+`benchmark/results/cpu_decode_loop_ab.json`), the module path's batch-1 scheduler step took
+8.64 ms and this loop's 6.77; at batch 16, 23.4 against 20.6 ms.
 
 It runs the same kernels with the same arguments as the modules (`LlamaModel.forward` through
 `PreNormDecoderLayer`, `LlamaAttention`, `CpuPagedAttnBackend.forward`), so its hidden states
 are bit-identical to theirs (test/unit/test_cpu_decode_loop.py). The linear layers are called
 through their own `forward`, which keeps their dispatch by row count (int4 / block / AMX /
-dense). The kernels' tensors are built here, with the shapes and dtypes the kernels need, so
-the Python wrappers' input checks are skipped; the C++ bindings still check what memory safety
-needs.
+dense); the modules are looked up on every pass, so a layer swapped after attach (e.g. packed
+for oneDNN) is the one called. The kernels' tensors are built here with the shapes and dtypes
+the kernels take, so the Python wrappers' checks are skipped; the C++ bindings check every shape
+and dtype they index by (`csrc/cpu/bindings.h`), so a mistake raises instead of reading out of
+bounds.
 
 A pass takes the loop when `CpuDecodeLoop.forward` finds: a DECODE batch, no autograd, and the
 cpu_paged backend (alone or as a hybrid's decode side) running each layer's attention as one
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,43 +42,46 @@ from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
 from hiserve.layers.attention.hybrid_backend import HybridAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch
 from hiserve.layers.norms import RMSNorm
+from hiserve.layers.rotary import RotaryEmbedding
+from hiserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-class _Layer(NamedTuple):
-    """One decoder layer as the loop calls it."""
-
-    input_norm: torch.Tensor  # [H] weight
-    post_norm: torch.Tensor  # [H] weight
-    qkv: Callable[[torch.Tensor], torch.Tensor]  # the layers' own forward methods
-    o: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
-    layer_id: int
+def _out_dtype(linear: nn.Module) -> torch.dtype | None:
+    """The dtype a linear layer returns for model-dtype input: GGUF layers keep the input's
+    (their `dtype` is the model's), dense ones return their weight's."""
+    dtype = getattr(linear, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    weight = getattr(linear, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
 
 
 def _unsupported(model: nn.Module) -> str | None:
-    """Why the loop cannot run `model` (a LlamaModel), or None."""
+    """Why the loop cannot run `model`, or None. Exact types: a subclass may change a forward
+    (e.g. a q/k norm) that the loop would not repeat."""
     if os.environ.get("HISERVE_CPU_DECODE_LOOP", "1") == "0":
         return "HISERVE_CPU_DECODE_LOOP=0"
     if get_tp_group().size > 1:
         return "tensor parallelism"
-    layers = getattr(model, "layers", None)
-    if not layers or not isinstance(getattr(model, "norm", None), RMSNorm):
+    if not (type(model) is LlamaModel and len(model.layers) > 0 and type(model.rotary_emb) is RotaryEmbedding
+            and type(model.norm) is RMSNorm and type(model.embed_tokens) is nn.Embedding):
         return "not a Llama decoder stack"
     dtype = model.embed_tokens.weight.dtype
     if dtype not in _DTYPES or model.embed_tokens.weight.device.type != "cpu":
         return f"a {dtype} model off the CPU kernels' dtypes or device"
-    a0 = layers[0].self_attn
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        if not (all(isinstance(n, RMSNorm) and n.weight.dtype == dtype and n.eps == model.norm.eps
-                    and n.weight.is_contiguous() for n in norms)
-                and isinstance(getattr(mlp, "act_fn", None), SiluAndMul) and hasattr(attn, "qkv_proj")
-                and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (a0.num_heads, a0.num_kv_heads, a0.head_dim)):
+    a0 = model.layers[0].self_attn
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
+                and all(type(n) is RMSNorm and n.weight.dtype == dtype and n.eps == model.norm.eps for n in norms)
+                and type(mlp.act_fn) is SiluAndMul and attn.attn.scaling == a0.attn.scaling
+                and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (a0.num_heads, a0.num_kv_heads, a0.head_dim)
+                and all(_out_dtype(lin) == dtype for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                              mlp.down_proj))):
             return "a layer the loop does not know"
     if not cpu_kernels.can_use_cpu_kernels():
         return "CPU kernels unavailable"
@@ -85,89 +91,96 @@ def _unsupported(model: nn.Module) -> str | None:
 class CpuDecodeLoop:
     """The decoder stack of a LlamaModel for DECODE passes (see the module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: LlamaModel) -> None:
         a0 = model.layers[0].self_attn
+        self.model = model
         self.num_heads, self.num_kv_heads, self.head_dim = a0.num_heads, a0.num_kv_heads, a0.head_dim
         self.q_size, self.kv_size = a0.q_size, a0.kv_size
         self.scale = float(a0.attn.scaling)
         self.eps = float(model.norm.eps)
         self.dtype = model.embed_tokens.weight.dtype
-        self.embed_weight = model.embed_tokens.weight
-        self.rotary = model.rotary_emb
-        self.final_norm = model.norm
-        self.layers = [_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                              layer.self_attn.qkv_proj.forward, layer.self_attn.o_proj.forward,
-                              layer.mlp.gate_up_proj.forward, layer.mlp.down_proj.forward,
-                              layer.self_attn.attn.layer_id) for layer in model.layers]
 
-    def kernel_args(self, fb: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
-        """The paged attention kernel's per-pass arguments when this pass can take the loop."""
+    def kernel_args(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(req_pool_indices [B], seq_lens [B], q_starts [B + 1], out_cache_loc [B]) for the
+        paged attention kernel when this pass can take the loop (`CpuPagedAttnBackend.decode_kernel_args`),
+        else None."""
         if not fb.forward_mode.is_decode() or torch.is_grad_enabled():
             return None
         backend = fb.attn_backend
         if isinstance(backend, HybridAttnBackend):
             backend = backend.decode_backend
-        if type(backend) is not CpuPagedAttnBackend or fb.token_to_kv_pool.dtype != self.dtype:
+        pool = fb.token_to_kv_pool
+        if (type(backend) is not CpuPagedAttnBackend or pool.dtype != self.dtype
+                or getattr(pool, "head_num", None) != self.num_kv_heads
+                or getattr(pool, "head_dim", None) != self.head_dim):
             return None
         return backend.decode_kernel_args()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
         """input_ids, positions [B] int64 -> final hidden states [B, H] (the model's dtype), or
-        None when this pass must run the modules (`kernel_args`)."""
+        None when this pass must run the modules (`kernel_args`).
+
+        Raises:
+            RuntimeError: a C++ binding's check failed (a shape the kernels do not take).
+        """
         args = self.kernel_args(fb)
         if args is None:
             return None
-        hidden = F.embedding(input_ids, self.embed_weight)
-        cos, sin = self.rotary.get_cos_sin(positions)
+        model = self.model
+        hidden = F.embedding(input_ids, model.embed_tokens.weight)
+        cos, sin = model.rotary_emb.get_cos_sin(positions)
         residual = None
-        mod, threads = cpu_kernels.load_cpu_module(), torch.get_num_threads()
-        for layer in self.layers:
-            hidden, residual = self._layer(layer, hidden, residual, cos, sin, args, fb, mod, threads)
-        return self.final_norm.forward(hidden, residual)[0]
+        module, threads = cpu_kernels.load_cpu_module(), torch.get_num_threads()
+        for layer in model.layers:
+            hidden, residual = self._layer(layer, hidden, residual, cos, sin, args, fb, module, threads)
+        return model.norm.forward(hidden, residual)[0]
 
-    def _layer(self, layer: _Layer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-               sin: torch.Tensor, args: tuple[torch.Tensor, ...], fb: ForwardBatch, mod, threads: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, layer: LlamaDecoderLayer, hidden: torch.Tensor, residual: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, args: tuple[torch.Tensor, ...], fb: ForwardBatch,
+               module: Any, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer, as PreNormDecoderLayer.forward runs it: hidden/residual [T, H] in, the
-        MLP output and the new residual out."""
+        MLP output and the new residual out. `module`: the JIT CPU module (tvm-ffi)."""
         t, nh, nkv, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        x = torch.empty_like(hidden)
+        attn_mod, mlp = layer.self_attn, layer.mlp
+        x = hidden.new_empty(hidden.shape)
         if residual is None:
-            mod.rmsnorm(hidden, hidden, layer.input_norm, x, x, False, self.eps, threads)
+            module.rmsnorm(hidden, hidden, layer.input_layernorm.weight, x, x, False, self.eps, threads)
             residual = hidden
         else:
-            new_residual = torch.empty_like(hidden)
-            mod.rmsnorm(hidden, residual, layer.input_norm, x, new_residual, True, self.eps, threads)
+            new_residual = hidden.new_empty(hidden.shape)
+            module.rmsnorm(hidden, residual, layer.input_layernorm.weight, x, new_residual, True, self.eps, threads)
             residual = new_residual
-        qkv = layer.qkv(x)  # [T, q | k | v]; q and k rotated together, as LlamaAttention does
+        qkv = attn_mod.qkv_proj.forward(x)  # [T, q | k | v]; q and k rotated in one call, as LlamaAttention does
         qk_size = self.q_size + self.kv_size
-        qk = torch.empty((t, nh + nkv, d), dtype=qkv.dtype)
-        mod.rotary(qkv[:, :qk_size].view(t, nh + nkv, d), cos, sin, qk, self.rotary.rotary_dim, True, threads)
+        qk = qkv.new_empty((t, nh + nkv, d))
+        module.rotary(qkv[:, :qk_size].view(t, nh + nkv, d), cos, sin, qk, self.model.rotary_emb.rotary_dim, True,
+                      threads)
         pool = fb.token_to_kv_pool
         # get_*_buffer first: they wait for a layer's load-back, which must land before the
         # kernel writes the new rows over it (as CpuPagedAttnBackend.forward does).
-        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        attn = torch.empty((t, nh * d), dtype=qkv.dtype)
-        req_pool_indices, seq_lens, q_starts, loc = args
-        mod.paged_attention(qk[:, :nh].reshape(t, self.q_size), k_buf, v_buf, attn,
-                            fb.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, q_starts,
-                            qk[:, nh:].reshape(t, self.kv_size), qkv[:, qk_size:], loc, True, nh, nkv,
-                            self.scale, threads)
-        hidden = layer.o(attn)
-        x, new_residual = torch.empty_like(hidden), torch.empty_like(hidden)
-        mod.rmsnorm(hidden, residual, layer.post_norm, x, new_residual, True, self.eps, threads)
-        gate_up = layer.gate_up(x)
-        act = torch.empty((t, gate_up.shape[1] // 2), dtype=gate_up.dtype)
-        mod.silu_and_mul(gate_up, act, threads)
-        return layer.down(act), new_residual
+        k_buf, v_buf = pool.get_key_buffer(attn_mod.attn.layer_id), pool.get_value_buffer(attn_mod.attn.layer_id)
+        attn = qkv.new_empty((t, nh * d))
+        req_pool_indices, seq_lens, q_starts, out_cache_loc = args
+        module.paged_attention(qk[:, :nh].reshape(t, self.q_size), k_buf, v_buf, attn,
+                               fb.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, q_starts,
+                               qk[:, nh:].reshape(t, self.kv_size), qkv[:, qk_size:], out_cache_loc, True, nh, nkv,
+                               self.scale, threads)
+        hidden = attn_mod.o_proj.forward(attn)
+        x, new_residual = hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
+        module.rmsnorm(hidden, residual, layer.post_attention_layernorm.weight, x, new_residual, True, self.eps,
+                       threads)
+        gate_up = mlp.gate_up_proj.forward(x)
+        act = gate_up.new_empty((t, gate_up.shape[1] // 2))
+        module.silu_and_mul(gate_up, act, threads)
+        return mlp.down_proj.forward(act), new_residual
 
 
 def attach_cpu_decode_loop(model: nn.Module) -> bool:
     """Give a causal LM's LlamaModel (`model.model`) a `CpuDecodeLoop` when it can run one;
     logs the outcome once. Returns whether it was attached."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "decode_loop"):
-        return False
+    if not isinstance(inner, LlamaModel):
+        return False  # other model families (DeepSeek-V2) have no loop
     why = _unsupported(inner)
     if why is not None:
         logger.info("CPU decode loop: off (%s); DECODE runs the modules", why)

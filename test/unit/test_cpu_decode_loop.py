@@ -26,8 +26,9 @@ def make(**kw) -> Scheduler:
 
 
 class Compare:
-    """Wraps a LlamaModel's forward: a pass the loop takes is also run through the modules
-    (loop detached), and the two hidden states must be equal bit for bit."""
+    """Wraps a LlamaModel's forward: a pass the loop takes is run through the modules (loop
+    detached) and then the loop, and the two hidden states must be equal bit for bit. The loop
+    runs second, so the K/V later passes read are the ones it stored."""
 
     def __init__(self, inner):
         self.inner, self.loop, self.forward = inner, inner.decode_loop, inner.forward
@@ -35,12 +36,12 @@ class Compare:
         inner.forward = self
 
     def __call__(self, input_ids, positions, fb):
-        got = self.loop.forward(input_ids, positions, fb)
         self.inner.decode_loop = None
         try:
-            want = self.forward(input_ids, positions, fb)  # its K/V store repeats the loop's values
+            want = self.forward(input_ids, positions, fb)
         finally:
             self.inner.decode_loop = self.loop
+        got = self.loop.forward(input_ids, positions, fb)
         if got is None:
             self.module_passes += 1
             assert not fb.forward_mode.is_decode() or self.loop.kernel_args(fb) is None
@@ -61,12 +62,9 @@ def submit(sched: Scheduler, tag: str, prompts: list[list[int]], max_new: list[i
 def step(sched: Scheduler, limit: int = 2000) -> dict[str, list[int]]:
     """Up to `limit` iterations (until idle); the streamed ids of each request."""
     for _ in range(limit):
-        if not (sched.waiting_queue or sched.running or sched.chunked_req):
+        if not sched.has_work():
             break
-        batch = sched.get_next_batch_to_run()
-        if batch is not None:
-            sched.run_batch(batch)
-        sched.check_cache_events()
+        sched.step()  # the overlap scheduler's iteration too
     outs: dict[str, list[int]] = {}
     for msg in sched.outbox:
         for rid, ids in zip(getattr(msg, "rids", []), getattr(msg, "new_output_ids", [])):
@@ -114,3 +112,54 @@ def test_other_backend_and_env_switch_keep_the_modules(monkeypatch):
     submit(sched, "a", PROMPTS[:1], [3])
     assert len(step(sched)["a0"]) == 3
     sched.kv.check_integrity()
+
+
+@pytest.mark.parametrize("flags", [{}, {"enable_overlap_schedule": True},
+                                   {"prefill_attention_backend": "torch_native", "decode_attention_backend": "cpu_paged"}],
+                         ids=["default", "overlap", "hybrid"])
+def test_served_tokens_equal_with_the_loop_off(monkeypatch, flags):
+    """Through the model's own dispatch (LlamaModel.forward): the same greedy tokens with the
+    loop on as with HISERVE_CPU_DECODE_LOOP=0, and the loop took the decode passes."""
+    taken = []
+    forward = CpuDecodeLoop.forward
+
+    def counted(self, *a):
+        out = forward(self, *a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CpuDecodeLoop, "forward", counted)
+    outs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("HISERVE_CPU_DECODE_LOOP", env)
+        sched = make(dtype="float32", **flags)
+        submit(sched, "a", PROMPTS[:3], [10, 4, 7])
+        outs[env] = step(sched)
+        sched.kv.check_integrity()
+    assert outs["1"] == outs["0"] and sum(len(v) for v in outs["0"].values()) == 21
+    assert sum(taken) >= 9 and not all(taken)  # decode passes looped, prefills not (loop off: no calls)
+
+
+def test_bindings_refuse_shapes_they_would_index_past():
+    """The loop calls the C++ bindings without the Python wrappers' checks: the bindings
+    themselves must refuse a shape that would read or write out of bounds."""
+    m = cpu_kernels.load_cpu_module()
+    x, w = torch.randn(4, 64), torch.ones(64)
+    with pytest.raises(Exception, match="weight must be"):
+        m.rmsnorm(x, x, torch.ones(32), torch.empty(4, 64), x, False, 1e-6, 1)
+    with pytest.raises(Exception, match="residual"):
+        m.rmsnorm(x, torch.randn(2, 64), w, torch.empty(4, 64), torch.empty(4, 64), True, 1e-6, 1)
+    cos = torch.ones(2, 1, 32)
+    with pytest.raises(Exception, match="cos/sin"):
+        m.rotary(torch.randn(4, 3, 64), cos, cos, torch.empty(4, 3, 64), 64, True, 1)
+    with pytest.raises(Exception, match="out"):
+        m.silu_and_mul(torch.randn(4, 128), torch.empty(2, 64), 1)
+    k = torch.zeros(8, 1, 64)
+    one, starts = torch.zeros(1, dtype=torch.int64), torch.tensor([0, 1])
+    r2t = torch.zeros(1, 8, dtype=torch.int32)
+    with pytest.raises(Exception, match="out"):
+        m.paged_attention(torch.randn(1, 64), k, k, torch.empty(1, 32), r2t, one, one + 1, starts, one, one, one,
+                          False, 1, 1, 1.0, 1)
+    with pytest.raises(Exception, match="int64"):
+        m.paged_attention(torch.randn(1, 64), k, k, torch.empty(1, 64), r2t, one.int(), one + 1, starts, one, one,
+                          one, False, 1, 1, 1.0, 1)

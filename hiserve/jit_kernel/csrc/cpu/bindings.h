@@ -6,6 +6,8 @@
 
 #include <tvm/ffi/container/tensor.h>
 
+#include <initializer_list>
+
 #include "elementwise.h"
 #include "gguf_amx.h"
 #include "gguf_gemm.h"
@@ -109,6 +111,16 @@ void paged_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k_buf, tvm::ff
   require(k_buf.size(1) == num_kv_heads && v_buf.size(1) == num_kv_heads, "pool head count mismatch");
   require(q_starts.size(0) == req_pool_indices.size(0) + 1 && seq_lens.size(0) == req_pool_indices.size(0),
           "q_starts must be [B + 1], seq_lens [B]");
+  // Shapes the kernel indexes by, checked here as well as in the Python wrapper: the CPU decode
+  // loop (hiserve/models/cpu_decode_loop.py) calls this binding directly.
+  require(q.ndim() == 2 && out.ndim() == 2 && k_buf.ndim() == 3 && v_buf.ndim() == 3 && req_to_token.ndim() == 2,
+          "q/out must be 2-D, the pool buffers 3-D, req_to_token 2-D");
+  require(q.size(1) == num_q_heads * k_buf.size(2) && out.size(0) == q.size(0) &&
+              out.size(1) == num_q_heads * v_buf.size(2),
+          "q must be [T, Hq * D] and out [T, Hq * Dv]");
+  for (const tvm::ffi::TensorView* t : {&req_pool_indices, &seq_lens, &q_starts})
+    require(t->ndim() == 1 && t->dtype().code == kDLInt && t->dtype().bits == 64 && t->IsContiguous(),
+            "req_pool_indices, seq_lens and q_starts must be contiguous int64 vectors");
   AttnShape s{req_pool_indices.size(0), num_q_heads, num_kv_heads, k_buf.size(2), v_buf.size(2), q.stride(0),
               k_buf.stride(0), v_buf.stride(0), req_to_token.stride(0), req_to_token.size(0), req_to_token.size(1),
               static_cast<float>(scale)};
@@ -134,12 +146,16 @@ void rmsnorm(tvm::ffi::TensorView x, tvm::ffi::TensorView residual, tvm::ffi::Te
   same_dtype(x, out, "out");
   require_inner_contiguous(x, "x");
   require(out.IsContiguous() && weight.IsContiguous(), "out and weight must be contiguous");
+  require(x.ndim() == 2, "x must be [T, H]");
   const int64_t T = x.size(0), H = x.size(1);
+  auto is_th = [&](const tvm::ffi::TensorView& t) { return t.ndim() == 2 && t.size(0) == T && t.size(1) == H; };
+  require(weight.ndim() == 1 && weight.size(0) == H && is_th(out), "weight must be [H] and out [T, H]");
   const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
   if (with_residual) {
     same_dtype(x, residual, "residual");
     same_dtype(x, new_residual, "new_residual");
     require(residual.IsContiguous() && new_residual.IsContiguous(), "residuals must be contiguous");
+    require(is_th(residual) && is_th(new_residual), "residual and new_residual must be [T, H]");
   }
   if (bf)
     rmsnorm<bf16>(ptr<bf16>(x), x.stride(0), with_residual ? ptr<bf16>(residual) : nullptr, ptr<bf16>(weight),
@@ -157,12 +173,18 @@ void rotary(tvm::ffi::TensorView x, tvm::ffi::TensorView cos, tvm::ffi::TensorVi
   using namespace hiserve::cpu;
   const bool bf = is_bf16(x);
   same_dtype(x, out, "out");
-  require(x.stride(2) == 1 && x.stride(1) == x.size(2), "x must have contiguous heads");
+  require(x.ndim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must have contiguous heads");
+  require(out.ndim() == 3 && out.IsContiguous() && out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
+              out.size(2) == x.size(2),
+          "out must be contiguous with x's shape");
   require(cos.dtype().code == kDLFloat && cos.dtype().bits == 32, "cos/sin must be float32");
   require(cos.stride(0) == sin.stride(0) && cos.stride(cos.ndim() - 1) == 1 && sin.stride(sin.ndim() - 1) == 1,
           "cos and sin must share a token stride and be contiguous per token");
   const int64_t T = x.size(0), heads = x.size(1), hd = x.size(2);
   require(rotary_dim % 2 == 0 && rotary_dim <= hd, "rotary_dim must be even and <= head_dim");
+  require(cos.size(0) >= T && sin.size(0) >= T && cos.size(cos.ndim() - 1) == rotary_dim / 2 &&
+              sin.size(sin.ndim() - 1) == rotary_dim / 2,
+          "cos/sin must be [T, *, rotary_dim / 2]");
   const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
   if (bf)
     rotary<bf16>(ptr<bf16>(x), x.stride(0), ptr<float>(cos), ptr<float>(sin), cos.stride(0), ptr<bf16>(out), T,
@@ -178,6 +200,8 @@ void silu_and_mul(tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t num_
   const bool bf = is_bf16(x);
   same_dtype(x, out, "out");
   require_inner_contiguous(x, "x");
+  require(x.ndim() == 2 && out.ndim() == 2 && out.IsContiguous() && out.size(0) == x.size(0),
+          "x must be [T, 2I] and out contiguous [T, I]");
   const int64_t T = x.size(0), I = out.size(1);
   require(x.size(1) == 2 * I, "x must be [T, 2 * I] for out [T, I]");
   const int nt = static_cast<int>(std::max<int64_t>(1, num_threads));
