@@ -5,7 +5,7 @@ large part of it: per layer about eleven `nn.Module` calls, each layer's CUDA/CP
 dtype checks, and each kernel wrapper's input checks. For SmolLM2-135M on a 2-core AMX Xeon,
 in process with the two forms interleaved (`benchmark/cpu/ab_decode_loop.py`,
 `benchmark/results/cpu_decode_loop_ab.json`), the module path's batch-1 scheduler step took
-8.64 ms and this loop's 6.77; at batch 16, 23.4 against 20.6 ms.
+8.77 ms and this loop's 6.90; at batch 16, 24.4 against 21.8 ms.
 
 It runs the same kernels with the same arguments as the modules (`LlamaModel.forward` through
 `PreNormDecoderLayer`, `LlamaAttention`, `CpuPagedAttnBackend.forward`), so its hidden states
@@ -17,7 +17,6 @@ dispatch); looking them up on every pass measured 0.5 ms slower at batch 1 (7.4 
 ms). The kernels' tensors are built here with the shapes and dtypes the kernels take, so the
 Python wrappers' checks are skipped; the C++ bindings check every shape and dtype they index by
 (`csrc/cpu/bindings.h`), so a mistake raises instead of reading out of bounds.
-
 
 A pass takes the loop when `CpuDecodeLoop.forward` finds: a DECODE batch, no autograd, and the
 cpu_paged backend (alone or as a hybrid's decode side) running each layer's attention as one
