@@ -71,6 +71,7 @@ def ab(d: Driver, batch: int, prompt: int, steps: int) -> dict:
 
 
 def main() -> None:
+    """Parse the flags, run the A/B per batch size, print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt", type=int, default=300)

@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,10 +65,10 @@ _RAW_KERNELS = ("paged_attention", "rmsnorm", "rotary", "silu_and_mul")
 class _TimedModule:
     """The JIT CPU module with `_RAW_KERNELS` timed into `spent`."""
 
-    def __init__(self, module, spent: dict[str, list[float]]):
+    def __init__(self, module: Any, spent: dict[str, list[float]]) -> None:
         self._module, self._spent = module, spent
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         fn = getattr(self._module, name)
         if name not in _RAW_KERNELS:
             return fn
@@ -88,8 +89,9 @@ _KERNELS += [("hiserve.layers.quantization.gguf", "_INT4_MM"),
 
 def kernel_split(d: Driver, steps: int) -> tuple[list[dict], float]:
     """Wall ms a step inside each kernel entry point (for `_KERNELS` their wrappers' checks and
-    output allocation included, for `_RAW_KERNELS` the C++ call alone) over `steps` decode steps, and the step's median wall ms meanwhile; the rest of the
-    step is Python and dispatch around the kernels."""
+    output allocation included, for `_RAW_KERNELS` the C++ call alone) over `steps` decode
+    steps, and the step's median wall ms meanwhile; the rest of the step is Python and dispatch
+    around the kernels."""
     import importlib
 
     from hiserve.jit_kernel import cpu as cpu_kernels

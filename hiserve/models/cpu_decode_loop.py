@@ -13,10 +13,12 @@ are bit-identical to theirs (test/unit/test_cpu_decode_loop.py). The linear laye
 through their own `forward`, which keeps their dispatch by row count (int4 / block / AMX /
 dense). The layers' weights and `forward` methods are taken once, at attach: attach after the
 last change to the modules (the model runner attaches after oneDNN packing and the GGUF GEMM
-dispatch); looking them up on every pass measured 0.5 ms slower at batch 1 (7.4 against 6.9
-ms). The kernels' tensors are built here with the shapes and dtypes the kernels take, so the
-Python wrappers' checks are skipped; the C++ bindings check every shape and dtype they index by
-(`csrc/cpu/bindings.h`), so a mistake raises instead of reading out of bounds.
+dispatch); looking them up on every pass measured 0.85x of the modules' batch-1 step where this
+measures 0.79x (`cpu_decode_loop_ab.json` of tree 1572ecd, committed at 754a371). The kernels' tensors are
+built here with the shapes and dtypes the kernels take, so the Python wrappers' checks are
+skipped; the C++ bindings check the shapes and dtypes they index by (`csrc/cpu/bindings.h`), so
+a mistaken shape raises instead of reading out of bounds (the tensors must be CPU tensors: the
+model runner attaches the loop on the CPU only).
 
 A pass takes the loop when `CpuDecodeLoop.forward` finds: a DECODE batch, no autograd, and the
 cpu_paged backend (alone or as a hybrid's decode side) running each layer's attention as one
@@ -42,6 +44,7 @@ from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.cpu_backend import CpuPagedAttnBackend
 from hiserve.layers.attention.hybrid_backend import HybridAttnBackend
 from hiserve.layers.forward_batch import ForwardBatch
+from hiserve.layers.linear import PackedLinear
 from hiserve.layers.norms import RMSNorm
 from hiserve.layers.rotary import RotaryEmbedding
 from hiserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -64,7 +67,9 @@ class _Layer(NamedTuple):
 
 def _out_dtype(linear: nn.Module) -> torch.dtype | None:
     """The dtype a linear layer returns for model-dtype input: GGUF layers keep the input's
-    (their `dtype` is the model's), dense ones return their weight's."""
+    (their `dtype` is the model's), dense ones return their weight's (oneDNN-packed or not)."""
+    if isinstance(linear, PackedLinear):
+        return linear.packed_weight.dtype
     dtype = getattr(linear, "dtype", None)
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -197,11 +202,13 @@ def attach_cpu_decode_loop(model: nn.Module) -> bool:
     logs the outcome once. Returns whether it was attached."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel):
-        return False  # other model families (DeepSeek-V2) have no loop
+        logger.info("CPU decode loop: off (not a Llama-family model); DECODE runs the modules")
+        return False
     why = _unsupported(inner)
     if why is not None:
         logger.info("CPU decode loop: off (%s); DECODE runs the modules", why)
         return False
     inner.decode_loop = CpuDecodeLoop(inner)
-    logger.info("CPU decode loop: on (DECODE passes run the layers as one loop; HISERVE_CPU_DECODE_LOOP=0 turns it off)")
+    logger.info("CPU decode loop: on (DECODE passes run the layers as one loop; "
+                "HISERVE_CPU_DECODE_LOOP=0 turns it off)")
     return True

@@ -145,7 +145,9 @@ class LlamaModel(nn.Module):
         # hiserve.models.cpu_decode_loop.CpuDecodeLoop, attached on the CPU where it can run
         self.decode_loop = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, H] (model dtype); a DECODE
+        pass the attached CPU decode loop can take runs there, bit-identical."""
         if self.decode_loop is not None:
             hidden_states = self.decode_loop.forward(input_ids, positions, forward_batch)
             if hidden_states is not None:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.can_use_cpu_kernels(), reason="C
 
 
 def make(**kw) -> Scheduler:
+    """A scheduler of `make serve` defaults on the CPU (plus `kw`), cache integrity checked."""
     return Scheduler(ServerArgs(device="cpu", max_total_tokens=4096, enable_cache_integrity_check=True,
                                 **kw).resolve(), None)
 
@@ -53,6 +54,7 @@ class Compare:
 
 
 def submit(sched: Scheduler, tag: str, prompts: list[list[int]], max_new: list[int]) -> None:
+    """Greedy requests `{tag}{i}` with ignore_eos, so each makes exactly max_new[i] tokens."""
     for i, (ids, n) in enumerate(zip(prompts, max_new)):
         sched.add_request(TokenizedGenerateReqInput(
             rid=f"{tag}{i}", input_ids=ids,
@@ -76,8 +78,8 @@ def step(sched: Scheduler, limit: int = 2000) -> dict[str, list[int]]:
 PROMPTS = [[1000 + (7 * i + j) % 5000 for j in range(n)] for i, n in enumerate((5, 37, 130, 64, 300))]
 
 
-@pytest.mark.parametrize("flags", [{}, {"dtype": "float32"}, {"page_size": 16}],
-                         ids=["gguf-bf16-default", "float32", "page16"])
+@pytest.mark.parametrize("flags", [{}, {"dtype": "float32"}, {"page_size": 16}, {"quantization": "none"}],
+                         ids=["gguf-bf16-default", "float32", "page16", "dense-bf16"])
 def test_loop_equals_modules_on_every_decode_pass(flags):
     sched = make(**flags)
     inner = sched.model_runner.model.model

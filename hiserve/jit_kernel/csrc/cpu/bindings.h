@@ -106,7 +106,8 @@ void paged_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k_buf, tvm::ff
   same_dtype(q, out, "out");
   require_inner_contiguous(q, "q");
   require(k_buf.IsContiguous() && v_buf.IsContiguous() && out.IsContiguous(), "pool buffers and out must be contiguous");
-  require(req_to_token.dtype().bits == 32 && req_to_token.stride(1) == 1, "req_to_token must be int32, rows contiguous");
+  require(req_to_token.dtype().code == kDLInt && req_to_token.dtype().bits == 32 && req_to_token.stride(1) == 1,
+          "req_to_token must be int32, rows contiguous");
   require(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads");
   require(k_buf.size(1) == num_kv_heads && v_buf.size(1) == num_kv_heads, "pool head count mismatch");
   require(q_starts.size(0) == req_pool_indices.size(0) + 1 && seq_lens.size(0) == req_pool_indices.size(0),
@@ -177,7 +178,9 @@ void rotary(tvm::ffi::TensorView x, tvm::ffi::TensorView cos, tvm::ffi::TensorVi
   require(out.ndim() == 3 && out.IsContiguous() && out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
               out.size(2) == x.size(2),
           "out must be contiguous with x's shape");
-  require(cos.dtype().code == kDLFloat && cos.dtype().bits == 32, "cos/sin must be float32");
+  require(cos.dtype().code == kDLFloat && cos.dtype().bits == 32 && sin.dtype().code == kDLFloat &&
+              sin.dtype().bits == 32,
+          "cos/sin must be float32");
   require(cos.stride(0) == sin.stride(0) && cos.stride(cos.ndim() - 1) == 1 && sin.stride(sin.ndim() - 1) == 1,
           "cos and sin must share a token stride and be contiguous per token");
   const int64_t T = x.size(0), heads = x.size(1), hd = x.size(2);
