@@ -21,8 +21,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scheduler_steps import Driver, _cpu_model, shared_prefix  # noqa: E402
@@ -53,9 +53,12 @@ def profile_steps(d: Driver, steps: int, rows: int) -> tuple[str, list[dict], fl
 
 
 # Kernel entry points: (module path, attribute). Each is called through its module attribute on
-# the hot path (`cpu_kernels.rmsnorm(...)`, `_INT4_MM(...)`, `self._dense_call(...)` inside
+# the hot path (`cpu_kernels.gguf_gemm(...)`, `_INT4_MM(...)`, `self._dense_call(...)` inside
 # `_dense_matmul`), so replacing the attribute times every call.
 _KERNELS = [("hiserve.jit_kernel.cpu", name) for name in ("argmax", "gguf_gemm", "gguf_amx_gemm")]
+_KERNELS += [("hiserve.layers.quantization.gguf", "_INT4_MM"),
+             ("hiserve.layers.quantization.gguf:GGUFInt4Linear", "_dense_matmul"),
+             ("hiserve.layers.quantization.gguf:GGUFBlockLinear", "_dense_matmul")]
 # These four the CPU decode loop (hiserve/models/cpu_decode_loop.py) calls on the C++ module
 # itself, not through the wrappers: they are timed there (`_TimedModule`), for either path, so
 # their figures leave out the wrappers' Python checks.
@@ -72,19 +75,19 @@ class _TimedModule:
         fn = getattr(self._module, name)
         if name not in _RAW_KERNELS:
             return fn
-        acc = self._spent.setdefault(f"{name} (C++)", [0.0, 0])
+        return _timed(fn, self._spent.setdefault(f"{name} (C++)", [0.0, 0]))
 
-        def timed(*a):
-            t = time.perf_counter()
-            try:
-                return fn(*a)
-            finally:
-                acc[0] += time.perf_counter() - t
-                acc[1] += 1
-        return timed
-_KERNELS += [("hiserve.layers.quantization.gguf", "_INT4_MM"),
-             ("hiserve.layers.quantization.gguf:GGUFInt4Linear", "_dense_matmul"),
-             ("hiserve.layers.quantization.gguf:GGUFBlockLinear", "_dense_matmul")]
+
+def _timed(fn: Any, acc: list[float]) -> Any:
+    """`fn`, adding each call's wall seconds to acc[0] and counting calls in acc[1]."""
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t
+            acc[1] += 1
+    return timed
 
 
 def kernel_split(d: Driver, steps: int) -> tuple[list[dict], float]:
@@ -108,15 +111,7 @@ def kernel_split(d: Driver, steps: int) -> tuple[list[dict], float]:
             continue
         saved.append((owner, name, fn))
         acc = spent.setdefault(name if name != "_dense_matmul" else f"{cls}._dense_matmul", [0.0, 0])
-
-        def timed(*a, _fn=fn, _acc=acc, **k):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                _acc[0] += time.perf_counter() - t
-                _acc[1] += 1
-        setattr(owner, name, timed)
+        setattr(owner, name, _timed(fn, acc))
     try:
         wall = [d.step()[1] for _ in range(steps)]
     finally:

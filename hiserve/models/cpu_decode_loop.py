@@ -114,6 +114,7 @@ class CpuDecodeLoop:
         self.model = model
         self.num_heads, self.num_kv_heads, self.head_dim = a0.num_heads, a0.num_kv_heads, a0.head_dim
         self.q_size, self.kv_size = a0.q_size, a0.kv_size
+        self.qk_size = self.q_size + self.kv_size  # q and k columns of the fused QKV output
         self.scale = float(a0.attn.scaling)
         self.eps = float(model.norm.eps)
         self.rotary_dim = model.rotary_emb.rotary_dim
@@ -174,7 +175,7 @@ class CpuDecodeLoop:
             module.rmsnorm(hidden, residual, layer.input_layernorm, x, new_residual, True, self.eps, threads)
             residual = new_residual
         qkv = layer.qkv_proj(x)  # [T, q | k | v]; q and k rotated in one call, as LlamaAttention does
-        qk_size = self.q_size + self.kv_size
+        qk_size = self.qk_size
         qk = torch.empty((t, nh + nkv, d), dtype=qkv.dtype)
         module.rotary(qkv[:, :qk_size].view(t, nh + nkv, d), cos, sin, qk, self.rotary_dim, True, threads)
         pool = fb.token_to_kv_pool
