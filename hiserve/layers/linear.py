@@ -7,15 +7,26 @@ oneDNN entry points PyTorch's Inductor uses when it freezes a CPU graph) measure
 faster per projection on this project's 2-core AVX512-BF16 machine (see
 benchmark/results/). Float32 keeps the plain path: it is the reference dtype whose greedy
 outputs must equal transformers', and packing changes its rounding order.
+
+On a CPU with AMX (and the JIT CPU kernels built), `prepack_linear` packs for the project's
+own AMX tile GEMM instead (`AmxLinear`, csrc/cpu/amx_bf16_gemm.h): a layer of SmolLM2's four
+projections took 0.69-0.80x oneDNN's time from 1 to 392 rows and the same at 1000 on a 2-core
+Xeon (benchmark/results/cpu_amx_dense_gemm.json). The choice is made from the CPU's features
+at start and logged once; HISERVE_AMX_DENSE=0 keeps oneDNN.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hiserve.jit_kernel.cpu import amx_gemm_available
+from hiserve.jit_kernel.cpu_amx import amx_bf16_gemm, amx_bf16_pack, amx_bf16_packable
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +43,8 @@ def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W^T + b with W prepacked by oneDNN.
+    """y = x @ W^T + b with W prepacked once for a GEMM kernel: oneDNN's here, the AMX tile
+    GEMM's in `AmxLinear`.
 
     Args:
         weight: [out_features, in_features], bfloat16, on the CPU.
@@ -43,18 +55,59 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        # Batch-size hint 1: decode is the step whose speed the pack is for.
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
-                             persistent=False)
+        self.register_buffer("packed_weight", self._pack(weight.detach()), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
+        # Batch-size hint 1: decode is the step whose speed the pack is for.
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
                                                   "none", [], "")
 
 
+class AmxLinear(PackedLinear):
+    """`PackedLinear` on the project's AMX tile GEMM (`cpu_amx.amx_bf16_gemm`): W in its
+    32-feature tile strips (the same bytes as W). Needs `amx_dense_usable(weight)`."""
+
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
+        return amx_bf16_pack(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = amx_bf16_gemm(x if x.stride(-1) == 1 else x.contiguous(), self.packed_weight)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _amx_dense_on() -> bool:
+    """AMX tier with the kernels built and tile state granted, unless HISERVE_AMX_DENSE=0; logged once."""
+    if os.environ.get("HISERVE_AMX_DENSE", "1") == "0":
+        logger.info("dense bf16 linears: oneDNN prepacked (HISERVE_AMX_DENSE=0)")
+        return False
+    on = amx_gemm_available()
+    logger.info("dense bf16 linears: %s", "AMX tile GEMM (csrc/cpu/amx_bf16_gemm.h)" if on
+                else "oneDNN prepacked (no AMX on this CPU or no AMX build of the CPU kernels)")
+    return on
+
+
+def amx_dense_usable(weight: torch.Tensor) -> bool:
+    """Whether `prepack_linear` gives this weight an `AmxLinear`: an AMX CPU (see `_amx_dense_on`)
+    and a bf16 [N, K] weight with N and K multiples of 32."""
+    return amx_bf16_packable(weight) and _amx_dense_on()
+
+
+def prepack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+    """The fastest prepacked form of a bf16 CPU linear here: `AmxLinear` where
+    `amx_dense_usable`, else oneDNN's `PackedLinear` (call only where `can_pack_for_cpu`)."""
+    return AmxLinear(weight, bias) if amx_dense_usable(weight) else PackedLinear(weight, bias)
+
+
 def pack_linear_layers(module: nn.Module) -> int:
-    """Replace every `nn.Linear` under `module` by a `PackedLinear`; returns how many.
+    """Replace every `nn.Linear` under `module` by a `PackedLinear` (`prepack_linear`'s choice);
+    returns how many.
 
     Call after the weights are loaded: the packed copy does not follow later writes.
     """
@@ -62,7 +115,7 @@ def pack_linear_layers(module: nn.Module) -> int:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, prepack_linear(child.weight, child.bias))
                 count += 1
     return count
 

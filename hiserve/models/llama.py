@@ -24,7 +24,7 @@ from hiserve.layers.activations import SiluAndMul
 from hiserve.layers.attention.base import RadixAttention
 from hiserve.layers.decoder_layer import PreNormDecoderLayer
 from hiserve.layers.forward_batch import ForwardBatch
-from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, pack_linear_layers
+from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, pack_linear_layers, prepack_linear
 from hiserve.layers.logits import LogitsProcessor
 from hiserve.layers.norms import RMSNorm
 from hiserve.layers.parallel_linear import (
@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         if not can_pack_for_cpu(weight.device, weight.dtype):
             return False
         pack_linear_layers(self.model)
-        self.packed_lm_head = PackedLinear(weight, None)
+        self.packed_lm_head = prepack_linear(weight, None)
         if self.lm_head is not None:
             self.lm_head = None  # the packed copy replaces it
         if self.gguf_head is not None:  # its many-row calls take the packed copy too

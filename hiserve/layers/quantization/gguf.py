@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from hiserve.jit_kernel import cpu as cpu_kernels
-from hiserve.layers.linear import PackedLinear, can_pack_for_cpu
+from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, prepack_linear
 from hiserve.layers.linear import linear as dense_linear
 
 GROUP_SIZE = 32  # values per llama.cpp block, and the kernel's group size
@@ -237,7 +237,7 @@ class GGUFInt4Linear(nn.Module):
         return self.out_features if self._codes is None else self._rows_loaded
 
     def finalize(self) -> None:
-        """Pack the loaded codes for the kernel (and the dense copy for oneDNN in bfloat16),
+        """Pack the loaded codes for the kernel (and the dense copy, prepacked in bfloat16),
         then drop the staging copies."""
         if self._codes is None:
             return
@@ -249,7 +249,7 @@ class GGUFInt4Linear(nn.Module):
         if self._dense is not None:
             dense = self._dense
             if can_pack_for_cpu(dense.device, dense.dtype):
-                self.dense_weight = PackedLinear(dense, None)
+                self.dense_weight = prepack_linear(dense, None)
                 self._dense_call = self.dense_weight.forward
             else:
                 self.dense_weight = dense

@@ -8,6 +8,7 @@
 
 #include <initializer_list>
 
+#include "amx_bf16_gemm.h"
 #include "elementwise.h"
 #include "gguf_amx.h"
 #include "gguf_gemm.h"
@@ -289,5 +290,25 @@ void gguf_amx_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi
   if (M == 0) return;
   const bool q8 = packed.size(2) == kAmxRecordQ8;
   gguf_amx_gemm(ptr<bf16>(x), x.stride(0), ptr<uint8_t>(packed), q8, ptr<bf16>(out), M, N, K,
+                static_cast<int>(std::max<int64_t>(1, num_threads)));
+}
+
+// x [M, K] bf16 (row stride free); packed bf16 [N/32, K/32, 1024] in amx_bf16_gemm.h's tile
+// layout; out [M, N] bf16 contiguous.
+void amx_bf16_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi::TensorView out,
+                   int64_t num_threads) {
+  using namespace hiserve::cpu;
+  require(is_bf16(x), "x must be bfloat16");
+  same_dtype(x, out, "out");
+  same_dtype(x, packed, "packed");
+  require_inner_contiguous(x, "x");
+  require(x.ndim() == 2 && out.ndim() == 2 && out.IsContiguous(), "x and out must be 2-D, out contiguous");
+  require(packed.IsContiguous() && packed.ndim() == 3 && packed.size(2) == 1024,
+          "packed must be a contiguous bf16 [N/32, K/32, 1024] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 32;
+  require(packed.size(1) * 32 == K && out.size(0) == M && out.size(1) == N, "shapes disagree");
+  require(K > 0, "K must be positive");
+  if (M == 0 || N == 0) return;
+  amx_bf16_gemm(ptr<bf16>(x), x.stride(0), ptr<uint16_t>(packed), ptr<bf16>(out), N, M, N, K,
                 static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
