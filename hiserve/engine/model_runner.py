@@ -124,7 +124,7 @@ class ModelRunner:
         self.model_config = tp_local_config(self.full_model_config, self.tp.size)
         self.model.eval()
         if getattr(self.model, "pack_for_cpu", None) is not None and self.model.pack_for_cpu():
-            logger.info("Linear weights prepacked for oneDNN (CPU, %s)", server_args.dtype)
+            logger.info("Linear weights prepacked for the CPU GEMM (%s; which GEMM is logged once)", server_args.dtype)
         if self.device.type == "cpu":  # GGUF int4 layers: int4 or dense GEMM by rows, timed here
             setup_int4_dispatch(self.model)
         model_max = self.model_config.max_position_embeddings

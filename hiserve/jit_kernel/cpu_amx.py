@@ -33,24 +33,36 @@ def amx_bf16_pack(weight: torch.Tensor) -> torch.Tensor:
     return w.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(n // 32, k // 32, 1024)
 
 
-def amx_bf16_gemm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T on AMX tiles, W from `amx_bf16_pack`; float32 sums, bf16 out.
+_NO_BIAS = torch.empty(0, dtype=torch.float32)
+
+
+def amx_bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) on AMX tiles, W from `amx_bf16_pack`; float32 sums, the bias added
+    in float32, one rounding to bf16.
 
     Args:
         x: [M, K] bfloat16 on the CPU, rows contiguous (strided rows allowed); any M.
-        packed: bf16 [N/32, K/32, 1024] from `amx_bf16_pack`.
+        packed: bf16 [N/32, K/32, 1024] on the CPU, contiguous, from `amx_bf16_pack`.
+        bias: float32 [N] on the CPU, contiguous, or None.
     Returns:
         [M, N] bfloat16, contiguous.
     Raises:
-        ValueError: x not bf16 [M, K] or a K that disagrees with the packed weight;
-            RuntimeError: no AMX here, or a check of the C++ side (memory safety) failed.
+        ValueError: x not bf16 [M, K], a packed weight or bias not as above, or a K that
+            disagrees with the packed weight; RuntimeError: no AMX here, or a check of the
+            C++ side (memory safety) failed.
     """
     if not (x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
-            and packed.dim() == 3 and x.shape[1] == packed.shape[1] * 32):
+            and packed.dtype == torch.bfloat16 and packed.is_cpu and packed.dim() == 3 and packed.is_contiguous()
+            and packed.shape[2] == 1024 and x.shape[1] == packed.shape[1] * 32
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
+                                  and bias.shape == (packed.shape[0] * 32,)))):
         _check(x.dtype == torch.bfloat16 and x.is_cpu, f"amx_bf16_gemm takes bfloat16 CPU rows, got {x.dtype}")
         _check(x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows")
-        _check(packed.dim() == 3 and x.shape[1] == packed.shape[1] * 32,
-               f"x has K = {x.shape[1]}, the packed weight {packed.shape[1] * 32 if packed.dim() == 3 else '?'}")
+        _check(packed.dtype == torch.bfloat16 and packed.is_cpu and packed.dim() == 3 and packed.is_contiguous()
+               and packed.shape[2] == 1024, "packed must be a contiguous bf16 CPU tensor [N/32, K/32, 1024]")
+        _check(x.shape[1] == packed.shape[1] * 32,
+               f"x has K = {x.shape[1]}, the packed weight {packed.shape[1] * 32}")
+        _check(False, "bias must be a contiguous float32 CPU tensor [N]")
     out = x.new_empty((x.shape[0], packed.shape[0] * 32))
-    load_cpu_module().amx_bf16_gemm(x, packed, out, torch.get_num_threads())
+    load_cpu_module().amx_bf16_gemm(x, packed, _NO_BIAS if bias is None else bias, out, torch.get_num_threads())
     return out

@@ -10,9 +10,10 @@ outputs must equal transformers', and packing changes its rounding order.
 
 On a CPU with AMX (and the JIT CPU kernels built), `prepack_linear` packs for the project's
 own AMX tile GEMM instead (`AmxLinear`, csrc/cpu/amx_bf16_gemm.h): a layer of SmolLM2's four
-projections took 0.69-0.80x oneDNN's time from 1 to 392 rows and the same at 1000 on a 2-core
-Xeon (benchmark/results/cpu_amx_dense_gemm.json). The choice is made from the CPU's features
-at start and logged once; HISERVE_AMX_DENSE=0 keeps oneDNN.
+projections took 0.70-0.80x oneDNN's time from 1 to 392 rows, 1.02x at 1000 and 1.07x at 2048
+(oneDNN's large-M blocking is better there) on a 2-core Xeon
+(benchmark/results/cpu_amx_dense_gemm.json). The choice is made from the CPU's features at start
+and logged once; HISERVE_AMX_DENSE=0 keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -70,15 +71,23 @@ class PackedLinear(nn.Module):
 
 class AmxLinear(PackedLinear):
     """`PackedLinear` on the project's AMX tile GEMM (`cpu_amx.amx_bf16_gemm`): W in its
-    32-feature tile strips (the same bytes as W). Needs `amx_dense_usable(weight)`."""
+    32-feature tile strips (the same bytes as W), the bias kept in float32 and added before the
+    one rounding to bf16 (as oneDNN does). Needs `amx_dense_usable(weight)`.
+
+    Forward: x [..., in_features] bf16 -> [..., out_features] bf16. Raises ValueError for
+    another dtype or width (`amx_bf16_gemm`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, None if bias is None else bias.float())
 
     @staticmethod
     def _pack(weight: torch.Tensor) -> torch.Tensor:
         return amx_bf16_pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = amx_bf16_gemm(x if x.stride(-1) == 1 else x.contiguous(), self.packed_weight)
-        return y if self.bias is None else y.add_(self.bias)
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        y = amx_bf16_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.packed_weight, self.bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ It runs the same kernels with the same arguments as the modules (`LlamaModel.for
 are bit-identical to theirs (test/unit/test_cpu_decode_loop.py). The linear layers are called
 through their own `forward`, which keeps their dispatch by row count (int4 / block / AMX /
 dense). The layers' weights and `forward` methods are taken once, at attach: attach after the
-last change to the modules (the model runner attaches after oneDNN packing and the GGUF GEMM
+last change to the modules (the model runner attaches after the linears are prepacked and the GGUF GEMM
 dispatch); looking them up on every pass measured 0.85x of the modules' batch-1 step where this
 measures 0.79x (`cpu_decode_loop_ab.json` of tree 1572ecd, committed at 754a371). The kernels' tensors are
 built here with the shapes and dtypes the kernels take, so the Python wrappers' checks are
@@ -67,7 +67,7 @@ class _Layer(NamedTuple):
 
 def _out_dtype(linear: nn.Module) -> torch.dtype | None:
     """The dtype a linear layer returns for model-dtype input: GGUF layers keep the input's
-    (their `dtype` is the model's), dense ones return their weight's (oneDNN-packed or not)."""
+    (their `dtype` is the model's), dense ones return their weight's (prepacked or not)."""
     if isinstance(linear, PackedLinear):
         return linear.packed_weight.dtype
     dtype = getattr(linear, "dtype", None)

@@ -209,8 +209,8 @@ class LlamaForCausalLM(nn.Module):
         self.gguf_head = GGUFBlockLinear(tensor, self._dense_head_weight)
 
     def pack_for_cpu(self) -> bool:
-        """After loading: prepack every projection (and the LM head) for oneDNN when
-        `can_pack_for_cpu` says so; returns whether it did."""
+        """After loading: prepack every projection (and the LM head) for the AMX tile GEMM or
+        oneDNN (`prepack_linear`) when `can_pack_for_cpu` says so; returns whether it did."""
         weight = self._dense_head_weight
         if not can_pack_for_cpu(weight.device, weight.dtype):
             return False

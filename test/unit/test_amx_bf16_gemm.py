@@ -1,11 +1,16 @@
 """The dense bf16 AMX GEMM (`cpu_amx.amx_bf16_pack` / `amx_bf16_gemm`) and `AmxLinear`.
 
 - Everywhere: the packing puts W[32 s + 16 h + f, 32 kb + 2 r + p] at [s, kb, 512 h + 32 r + 2 f + p]
-  and refuses weights it cannot take; `prepack_linear` keeps oneDNN where AMX is off.
+  (every element checked) and refuses weights it cannot take; `prepack_linear` keeps oneDNN where
+  AMX is off.
 - On an AMX CPU: products of 1..257 rows (one 16-row tile, two, full 32-row blocks, the tail
   under its own tile shape, several row chunks) and shapes with one strip or many agree with x @ W^T
-  to bf16 rounding; an identity through it returns W bit for bit (each sum is one product);
-  strided rows, a bias, and bad input (ValueError in Python, RuntimeError from the C++ checks).
+  to bf16 rounding; every output element is written (NaN-filled outputs) under every thread grid
+  (strips split, then rows too when strips are fewer than threads); an identity through it
+  returns W bit for bit (each sum is one product of normal values); strided rows; a bias added in
+  float32 before the one rounding (as oneDNN's); N-D input through `AmxLinear`; a Llama's
+  projections and head after `pack_for_cpu`; bad input (ValueError in Python, RuntimeError from
+  the C++ checks).
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ def test_pack_layout_everywhere():
     w = (torch.randn(n, k) * 10).bfloat16()
     p = amx_bf16_pack(w)
     assert p.shape == (n // 32, k // 32, 1024) and p.dtype == torch.bfloat16
-    for s, kb, h, r, f, q in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 15, 15, 1), (0, 1, 1, 3, 7, 0), (1, 0, 0, 9, 2, 1)]:
-        assert p[s, kb, 512 * h + 32 * r + 2 * f + q] == w[32 * s + 16 * h + f, 32 * kb + 2 * r + q]
-    assert torch.equal(torch.sort(p.flatten()).values, torch.sort(w.flatten()).values)  # a reordering of W
+    s, kb, h, r, f, q = torch.meshgrid(*(torch.arange(m) for m in (n // 32, k // 32, 2, 16, 16, 2)), indexing="ij")
+    expected = w[32 * s + 16 * h + f, 32 * kb + 2 * r + q]  # [s, kb, h, r, f, q]
+    assert torch.equal(p.view(n // 32, k // 32, 2, 16, 16, 2), expected)
 
 
 @pytest.mark.parametrize("shape", [(48, 32), (32, 48), (32, 32, torch.float32)])
@@ -102,12 +107,89 @@ def test_bad_input(amx):
         amx_bf16_gemm(torch.randn(4, 32).bfloat16(), p)
     with pytest.raises(ValueError, match="contiguous rows"):
         amx_bf16_gemm(torch.randn(64, 4).bfloat16().t(), p)
+    with pytest.raises(ValueError, match="packed must be"):
+        amx_bf16_gemm(torch.randn(4, 64).bfloat16(), p.float())
+    with pytest.raises(ValueError, match="bias"):
+        amx_bf16_gemm(torch.randn(4, 64).bfloat16(), p, torch.zeros(32, dtype=torch.bfloat16))
     module = cpu_kernels.load_cpu_module()
-    x, out = torch.randn(4, 64).bfloat16(), torch.empty(4, 32, dtype=torch.bfloat16)
+    x, out, nob = torch.randn(4, 64).bfloat16(), torch.empty(4, 32, dtype=torch.bfloat16), torch.empty(0)
     with pytest.raises(RuntimeError, match="packed"):
-        module.amx_bf16_gemm(x, p.reshape(1, 4, 512), out, 2)  # the C++ side checks what it indexes by
+        module.amx_bf16_gemm(x, p.reshape(1, 4, 512), nob, out, 2)  # the C++ side checks what it indexes by
     with pytest.raises(RuntimeError, match="shapes disagree"):
-        module.amx_bf16_gemm(x, p, torch.empty(4, 64, dtype=torch.bfloat16), 2)
+        module.amx_bf16_gemm(x, p, nob, torch.empty(4, 64, dtype=torch.bfloat16), 2)
+    with pytest.raises(RuntimeError, match="bias"):
+        module.amx_bf16_gemm(x, p, torch.zeros(31), out, 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 20, 40, 200])
+@pytest.mark.parametrize("n", [64, 576])
+def test_thread_grid_writes_every_element(amx, threads, rows, n):
+    """The raw binding with a thread count of its own (more threads than strips splits rows too),
+    into an output filled with NaN: every element written, all agree with x @ W^T."""
+    gen = torch.Generator().manual_seed(threads * 1000 + rows + n)
+    w = torch.randn(n, 96, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    cpu_kernels.load_cpu_module().amx_bf16_gemm(x, amx_bf16_pack(w), torch.empty(0), out, threads)
+    assert not out.isnan().any()
+    _close(out, x, w)
+
+
+def test_bias_is_added_before_the_rounding(amx):
+    """With a bias 100x the products, adding it after rounding the sum to bf16 (twice rounded)
+    matched the once-rounded float32 result for ~92% of outputs; added in float32 first, all
+    but near-ties match (the summation order differs from torch's)."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 96, generator=gen).bfloat16()
+    b = (torch.randn(64, generator=gen) * 100).bfloat16()
+    x = torch.randn(300, 96, generator=gen).bfloat16()
+    y = AmxLinear(w, b)(x)
+    once = (x.float() @ w.float().t() + b.float()).bfloat16()
+    assert (y == once).float().mean() > 0.99
+
+
+def test_choice_without_amx(monkeypatch):
+    """On any CPU: where the AMX GEMM is unavailable, `prepack_linear` packs for oneDNN."""
+    if not can_pack_for_cpu(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN bf16 pack on this CPU")
+    monkeypatch.setattr(linear_mod, "amx_gemm_available", lambda: False)
+    linear_mod._amx_dense_on.cache_clear()
+    try:
+        assert type(prepack_linear(torch.randn(64, 96).bfloat16(), None)) is PackedLinear
+    finally:
+        linear_mod._amx_dense_on.cache_clear()
+
+
+def test_llama_projections_after_pack_for_cpu(amx):
+    """A bf16 Llama (every projection and the tied head 32-aligned): `pack_for_cpu` gives each an
+    `AmxLinear` whose output matches the unpacked weight's, 2-D and 3-D input."""
+    from hiserve.models import llama as llama_mod
+    from hiserve.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128,
+        "vocab_size": 96, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    model = llama_mod.LlamaForCausalLM(cfg, torch.bfloat16).eval()
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.normal_(0, 0.5)
+    linears = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    head = model.model.embed_tokens.weight.detach().clone()
+    assert len(linears) == 8 and model.pack_for_cpu()
+    modules = dict(model.named_modules())
+    for name, w in linears.items():
+        layer = modules[name]
+        assert isinstance(layer, AmxLinear), name
+        x = torch.randn(3, 5, w.shape[1]).bfloat16()
+        y = layer(x)
+        assert y.shape == (3, 5, w.shape[0])
+        _close(y.reshape(15, -1), x.reshape(15, -1), w)
+    assert isinstance(model.packed_lm_head, AmxLinear)
+    x = torch.randn(7, 64).bfloat16()
+    _close(model.packed_lm_head(x), x, head)
 
 
 def test_amx_linear_and_choice(amx, monkeypatch):

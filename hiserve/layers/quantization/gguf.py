@@ -30,7 +30,8 @@ on its Q4/Q8_0 blocks (for SmolLM2, the tied Q8_0 embedding).
 
 The layer's optional dense copy (for calls with many rows, see `int4_dispatch.py`) is gguf's
 own dequantization (`dequantize_q4`, bit-equal to gguf-py's) rounded once to the model dtype
-(2 bytes a weight in bf16, oneDNN-prepacked where oneDNN has a bf16 path; 4 in float32): the
+(2 bytes a weight in bf16, prepacked by `linear.prepack_linear` for the AMX tile GEMM or oneDNN;
+4 in float32): the
 same values the dequantized path (`--quantization none`) serves.
 """
 
@@ -141,8 +142,8 @@ class GGUFInt4Linear(nn.Module):
     PyTorch's int4 kernel beats a dense GEMM when it is bound by reading the weight (a few
     rows: decode) and loses when it is compute-bound (prefill, batched decode: it dequantizes
     every group again for each row block). So with `dense_copy` the layer also keeps W as
-    gguf's dequantizer gives it, rounded once to `dtype` (in bfloat16 oneDNN-prepacked where
-    oneDNN has a bf16 path, as the dequantized path's GEMM), and `forward` takes it when x has
+    gguf's dequantizer gives it, rounded once to `dtype` (in bfloat16 prepacked as the
+    dequantized path's GEMM: `linear.prepack_linear`, AMX tiles or oneDNN), and `forward` takes it when x has
     at least `dense_from_rows` rows. That threshold is set per machine after loading
     (`int4_dispatch.setup_int4_dispatch`); until then every call takes the int4 kernel.
     The layer also keeps the file's blocks (`gguf_blocks`, while all shards share one type)
@@ -381,7 +382,7 @@ class GGUFBlockLinear(nn.Module):
 
     Args:
         tensor: the weight's blocks, [N, K] logical, K % 32 == 0.
-        dense: the same weight [N, K] in the model dtype (or its oneDNN-packed form).
+        dense: the same weight [N, K] in the model dtype (or its prepacked form, a `PackedLinear`).
     Forward: x [M, K] float32/bfloat16 -> [M, N] in x's dtype.
     Raises:
         ValueError: a type the block kernel does not read, or shapes that disagree.
@@ -403,7 +404,7 @@ class GGUFBlockLinear(nn.Module):
         self.amx_weight: torch.Tensor | None = None
 
     def set_dense_weight(self, dense: torch.Tensor | PackedLinear) -> None:
-        """Point the many-row calls at `dense`, [N, K] in the model dtype or its oneDNN-packed
+        """Point the many-row calls at `dense`, [N, K] in the model dtype or its prepacked
         form (`LlamaForCausalLM.pack_for_cpu` swaps the packed head in after loading).
 
         Raises:

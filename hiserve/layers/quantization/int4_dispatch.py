@@ -1,12 +1,12 @@
 """Which GEMM a GGUF int4 layer runs, by the number of rows of the call, calibrated at start.
 
 `GGUFInt4Linear` keeps two forms of the same GGUF weights: int4 codes for PyTorch's int4
-weight-only kernel and a dense copy in the model dtype (bf16: oneDNN-prepacked where oneDNN
-has a bf16 path; float32 on CPUs without native bf16). The int4 kernel reads
+weight-only kernel and a dense copy in the model dtype (bf16: prepacked for the AMX tile GEMM
+or oneDNN, `linear.prepack_linear`; float32 on CPUs without native bf16). The int4 kernel reads
 4x fewer weight bytes, so it wins while a GEMM is bound by reading the weight (one or a few
 rows: single-stream decode); the dense GEMM wins once the multiply is compute-bound (prefill,
 batched decode), because the int4 kernel re-dequantizes each group for every block of rows
-and has no AMX/VNNI-tiled inner loop like oneDNN's.
+and has no AMX/VNNI-tiled inner loop like the dense GEMMs'.
 
 Why a start-up calibration and not a table from CPU features: where the two cross depends on
 the CPU's bf16 tier (AMX tiles move the dense side by several times; AVX512-BF16 less; an

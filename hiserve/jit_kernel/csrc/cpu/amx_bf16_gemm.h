@@ -1,11 +1,11 @@
-// Dense bf16 GEMM on Intel AMX for calls with many rows (prefill): y [M, N] = x [M, K] w^T,
-// bf16 in and out, float32 sums (TDPBF16PS; Intel SDM vol. 2, "Intel AMX instructions"; the
+// Dense bf16 GEMM on Intel AMX: y [M, N] = x [M, K] w^T (+ bias), bf16 in and out, float32
+// sums (+ a float32 bias before the one rounding to bf16) (TDPBF16PS; Intel SDM vol. 2, "Intel AMX instructions"; the
 // 2 x 2 tile blocking and B-tile layout of the Intel Optimization Reference Manual, ch. 20).
 //
 // Why our own and not oneDNN's (PyTorch's prepacked mkldnn linear, which the dense weights
 // used before): on SmolLM2's shapes (K = 576 or 1536, N = 576 to 3072) at 200-1000 rows that
 // reached 1.0-1.9 TFLOP/s on 2 cores of a Xeon whose AMX peak measured 3.8 TFLOP/s a core.
-// This loop (0.69-0.80x oneDNN's time a layer from 1 to 392 rows, 1.0x at 1000:
+// This loop (0.70-0.80x oneDNN's time a layer from 1 to 392 rows, 1.02x at 1000, 1.07x at 2048:
 // benchmark/results/cpu_amx_dense_gemm.json) keeps each 16 x 32
 // weight tile pair in L1/L2 for all row blocks of a strip, prefetches the next strip's tiles
 // into L2 while multiplying, reads x's tiles straight from its rows (no packing pass), and
@@ -22,9 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
-#include <vector>
 
 #include "common.h"
 #include "gguf_amx.h"
@@ -44,14 +42,17 @@ constexpr int64_t kAmxDenseRowBytes = 512 * 1024;
 struct AmxPendingBlock {
   const float* sums = nullptr;  // 4 C tiles: [rows 0-15 | 16-31] x [features 0-15 | 16-31]
   bf16* out = nullptr;
+  const float* bias = nullptr;  // the strip's 32 features, or null
   int64_t ldy = 0, rows = 0;
 };
 
 inline void amx_convert_block(AmxPendingBlock& p) {
   if (p.sums == nullptr) return;
+  const __m512 b_lo = p.bias != nullptr ? _mm512_loadu_ps(p.bias) : _mm512_setzero_ps();
+  const __m512 b_hi = p.bias != nullptr ? _mm512_loadu_ps(p.bias + 16) : _mm512_setzero_ps();
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* c = p.sums + (r >> 4) * 512 + (r & 15) * 16;
-    const __m512 lo = _mm512_load_ps(c), hi = _mm512_load_ps(c + 256);
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c), b_lo), hi = _mm512_add_ps(_mm512_load_ps(c + 256), b_hi);
     _mm512_storeu_si512(p.out + r * p.ldy, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
   p.sums = nullptr;
@@ -103,8 +104,8 @@ inline void amx_dense_block(const bf16* xa, int64_t ldx, const uint16_t* b, int6
 }
 
 // Store the block's sums (4 C tiles, or 2 when `two` is false) for conversion by the next block.
-inline void amx_dense_finish(bool two, int64_t rows, bf16* out, int64_t ldy, float (*sums)[1024], int* which,
-                             AmxPendingBlock* pending) {
+inline void amx_dense_finish(bool two, int64_t rows, bf16* out, const float* bias, int64_t ldy,
+                             float (*sums)[1024], int* which, AmxPendingBlock* pending) {
   amx_convert_block(*pending);  // KB == 1: no K step left to overlap it with
   float* buf = sums[*which];
   *which ^= 1;
@@ -114,13 +115,14 @@ inline void amx_dense_finish(bool two, int64_t rows, bf16* out, int64_t ldy, flo
     _tile_stored(6, buf + 512, 64);
     _tile_stored(7, buf + 768, 64);
   }
-  *pending = AmxPendingBlock{buf, out, ldy, rows};
+  *pending = AmxPendingBlock{buf, out, bias, ldy, rows};
 }
 
 struct AmxDenseCall {
   const bf16* x;
   int64_t ldx;
   const uint16_t* wp;
+  const float* bias;  // [N] or null
   bf16* y;
   int64_t ldy, M, KB;
 };
@@ -134,50 +136,71 @@ inline void amx_dense_strips(const AmxDenseCall& g, int64_t s0, int64_t s1, int6
   const int64_t per = (lines + blocks * g.KB - 1) / (blocks * g.KB);
   for (int64_t s = s0; s < s1; ++s) {
     const uint16_t* b = g.wp + s * g.KB * 1024;
+    const float* bias = g.bias != nullptr ? g.bias + s * 32 : nullptr;
     const char* next = s + 1 < s1 ? reinterpret_cast<const char*>(b + g.KB * 1024) : nullptr;
     int64_t pl = 0;
     for (int64_t r = c0; r < c1; r += 32) {
       amx_dense_block(g.x + r * g.ldx, g.ldx, b, g.KB, true, next, per, lines, &pl, pending);
-      amx_dense_finish(true, 32, g.y + r * g.ldy + s * 32, g.ldy, sums, which, pending);
+      amx_dense_finish(true, 32, g.y + r * g.ldy + s * 32, bias, g.ldy, sums, which, pending);
     }
     if (tail == 0) continue;
     const int64_t r = g.M - tail;
     if (c1 > c0) amx_dense_configure(tail);  // else the call is all tail, configured once
     amx_dense_block(g.x + r * g.ldx, g.ldx, b, g.KB, tail > 16, next, per, lines, &pl, pending);
-    amx_dense_finish(tail > 16, tail, g.y + r * g.ldy + s * 32, g.ldy, sums, which, pending);
+    amx_dense_finish(tail > 16, tail, g.y + r * g.ldy + s * 32, bias, g.ldy, sums, which, pending);
     if (c1 > c0) amx_dense_configure(32);
   }
 }
 
-// y [M, N] bf16 (row stride ldy) = x [M, K] bf16 (row stride ldx) times the packed weight.
-// Threads split the 32-feature strips; rows go in chunks that keep x's share in L2; any M >= 1.
-inline void amx_bf16_gemm(const bf16* x, int64_t ldx, const uint16_t* wp, bf16* y, int64_t ldy, int64_t M,
-                          int64_t N, int64_t K, int num_threads) {
+// Thread t's share: strips [s0, s1) of one strip group and 32-row blocks [b0, b1) of one row
+// group, the tail (M % 32 rows) with the last row group. Strips are split first: each strip's
+// tiles then stay with one thread; rows are split too only where there are fewer strips than
+// threads (e.g. 18 strips of a 576-wide layer on a many-core CPU).
+struct AmxDenseShare {
+  int64_t s0, s1, b0, b1;
+  bool tail;
+};
+
+inline AmxDenseShare amx_dense_share(int t, int nt, int64_t NS, int64_t blocks) {
+  const int64_t ps = std::min<int64_t>(NS, nt), pr = std::max<int64_t>(1, std::min<int64_t>(nt / ps, blocks));
+  const int64_t i = t % ps, j = t / ps;
+  if (j >= pr) return {0, 0, 0, 0, false};  // a thread left over by the grid
+  return {NS * i / ps, NS * (i + 1) / ps, blocks * j / pr, blocks * (j + 1) / pr, j + 1 == pr};
+}
+
+// y [M, N] bf16 (row stride ldy) = x [M, K] bf16 (row stride ldx) times the packed weight, plus
+// bias [N] float32 (or null) before the rounding. Rows go in chunks that keep x's share in L2;
+// any M >= 1.
+inline void amx_bf16_gemm(const bf16* x, int64_t ldx, const uint16_t* wp, const float* bias, bf16* y, int64_t ldy,
+                          int64_t M, int64_t N, int64_t K, int num_threads) {
   if (!amx_permitted()) throw std::runtime_error("the kernel refused AMX tile state (arch_prctl XTILEDATA)");
   const int64_t KB = K / 32, NS = N / 32, full = M / 32 * 32, tail = M - full;
   const int64_t chunk = std::max<int64_t>(32, kAmxDenseRowBytes / (K * 2) / 32 * 32);
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, NS)));
-  const AmxDenseCall g{x, ldx, wp, y, ldy, M, KB};
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, NS * std::max<int64_t>(1, M / 32))));
+  const AmxDenseCall g{x, ldx, wp, bias, y, ldy, M, KB};
 #pragma omp parallel num_threads(nt)
   {
     alignas(64) float sums[2][1024];
     int which = 0;
     AmxPendingBlock pending;
-    amx_dense_configure(full > 0 ? 32 : tail);
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t s0 = NS * t / n, s1 = NS * (t + 1) / n;
-    for (int64_t c0 = 0; c0 < full || (c0 == 0 && tail > 0); c0 += chunk) {
-      const int64_t c1 = std::min(full, c0 + chunk);
-      amx_dense_strips(g, s0, s1, c0, c1, c1 == full ? tail : 0, sums, &which, &pending);
+    const AmxDenseShare sh = amx_dense_share(omp_get_thread_num(), omp_get_num_threads(), NS, full / 32);
+    const int64_t r0 = sh.b0 * 32, r1 = sh.b1 * 32, tl = sh.tail ? tail : 0;
+    if (sh.s1 > sh.s0 && (r1 > r0 || tl > 0)) {
+      amx_dense_configure(r1 > r0 ? 32 : tl);
+      for (int64_t c0 = r0; c0 < r1 || (c0 == r0 && tl > 0); c0 += chunk) {
+        const int64_t c1 = std::min(r1, c0 + chunk);
+        amx_dense_strips(g, sh.s0, sh.s1, c0, c1, c1 == r1 ? tl : 0, sums, &which, &pending);
+      }
+      amx_convert_block(pending);
+      _tile_release();
     }
-    amx_convert_block(pending);
-    _tile_release();
   }
 }
 
 #else  // not an AMX build: the Python side never calls this (it checks the tier first)
 
-inline void amx_bf16_gemm(const bf16*, int64_t, const uint16_t*, bf16*, int64_t, int64_t, int64_t, int64_t, int) {
+inline void amx_bf16_gemm(const bf16*, int64_t, const uint16_t*, const float*, bf16*, int64_t, int64_t, int64_t,
+                          int64_t, int) {
   throw std::runtime_error("this build of the CPU kernels has no AMX (kernel ISA tier below amx)");
 }
 

@@ -294,21 +294,24 @@ void gguf_amx_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi
 }
 
 // x [M, K] bf16 (row stride free); packed bf16 [N/32, K/32, 1024] in amx_bf16_gemm.h's tile
-// layout; out [M, N] bf16 contiguous.
-void amx_bf16_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi::TensorView out,
-                   int64_t num_threads) {
+// layout; bias float32 [N], or [0] for none; out [M, N] bf16 contiguous.
+void amx_bf16_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi::TensorView bias,
+                   tvm::ffi::TensorView out, int64_t num_threads) {
   using namespace hiserve::cpu;
+  require(x.ndim() == 2 && out.ndim() == 2 && out.IsContiguous(), "x and out must be 2-D, out contiguous");
   require(is_bf16(x), "x must be bfloat16");
   same_dtype(x, out, "out");
   same_dtype(x, packed, "packed");
   require_inner_contiguous(x, "x");
-  require(x.ndim() == 2 && out.ndim() == 2 && out.IsContiguous(), "x and out must be 2-D, out contiguous");
   require(packed.IsContiguous() && packed.ndim() == 3 && packed.size(2) == 1024,
           "packed must be a contiguous bf16 [N/32, K/32, 1024] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 32;
   require(packed.size(1) * 32 == K && out.size(0) == M && out.size(1) == N, "shapes disagree");
+  require(bias.ndim() == 1 && bias.IsContiguous() && bias.dtype().code == kDLFloat && bias.dtype().bits == 32 &&
+              (bias.size(0) == N || bias.size(0) == 0),
+          "bias must be a contiguous float32 [N] tensor, or [0] for none");
   require(K > 0, "K must be positive");
   if (M == 0 || N == 0) return;
-  amx_bf16_gemm(ptr<bf16>(x), x.stride(0), ptr<uint16_t>(packed), ptr<bf16>(out), N, M, N, K,
-                static_cast<int>(std::max<int64_t>(1, num_threads)));
+  amx_bf16_gemm(ptr<bf16>(x), x.stride(0), ptr<uint16_t>(packed), bias.size(0) ? ptr<float>(bias) : nullptr,
+                ptr<bf16>(out), N, M, N, K, static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
