@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import typing
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -328,7 +328,9 @@ class CompletionRequest(_OpenAISampling):
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ... pass to the template
 
-    role: str
+    # OpenAI's roles (SGLang's and vLLM's protocol take the same): another is a 400 naming
+    # messages.N.role, not a prompt the template renders in some form.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]], None] = None
 
 
