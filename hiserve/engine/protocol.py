@@ -18,7 +18,7 @@ import time
 import typing
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from hiserve.engine.errors import BadRequestError
 from hiserve.engine.request_extras import (
@@ -328,9 +328,15 @@ class CompletionRequest(_OpenAISampling):
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_call_id, ... pass to the template
 
-    # OpenAI's roles (SGLang's and vLLM's protocol take the same): another is a 400 naming
-    # messages.N.role, not a prompt the template renders in some form.
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # OpenAI's roles, any case (SGLang lower-cases them too), and "ipython" (Llama 3.1's tool
+    # results): another is a 400 naming messages.N.role, not a prompt the template renders in
+    # some form. (vLLM takes any string; SGLang refuses other roles, as here.)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _lower_role(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
     content: Union[str, list[dict[str, Any]], None] = None
 
 

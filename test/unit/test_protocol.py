@@ -83,3 +83,12 @@ def test_chat_content_parts():
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     with pytest.raises(BadRequestError):
         req.template_messages()
+
+
+def test_chat_roles_any_case_and_known_only():
+    """OpenAI's roles in any case (lower-cased, as SGLang does) and Llama's "ipython"; others refused."""
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "System", "content": "s"}, {"role": "USER", "content": "u"}, {"role": "ipython", "content": "r"}]})
+    assert [m.role for m in req.messages] == ["system", "user", "ipython"]
+    with pytest.raises(ValidationError, match="role"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "wizard", "content": "x"}]})

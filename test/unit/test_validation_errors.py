@@ -39,7 +39,8 @@ def client():
      "messages.0.content: Input should be a valid string or a valid list", "messages"),
     # a role OpenAI does not define is refused, not rendered by the template in some form
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]},
-     "messages.1.role: Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'",
+     "messages.1.role: Input should be 'system', 'developer', 'user', 'assistant', 'tool', 'function' or "
+     "'ipython'",
      "messages"),
 ])
 def test_union_errors_name_the_field(client, path, body, message, param):

@@ -4,7 +4,8 @@
 //
 // Why our own and not oneDNN's (PyTorch's prepacked mkldnn linear, which the dense weights
 // used before): on SmolLM2's shapes (K = 576 or 1536, N = 576 to 3072) at 200-1000 rows that
-// reached 1.0-1.9 TFLOP/s on 2 cores of a Xeon whose AMX peak measured 3.8 TFLOP/s a core.
+// reached 1.2-2.6 TFLOP/s (cpu_amx_dense_gemm.json) on 2 cores of a Xeon whose AMX peak
+// measured 3.8 TFLOP/s a core.
 // This loop (0.70-0.80x oneDNN's time a layer from 1 to 392 rows, 1.02x at 1000, 1.07x at 2048:
 // benchmark/results/cpu_amx_dense_gemm.json) keeps each 16 x 32
 // weight tile pair in L1/L2 for all row blocks of a strip, prefetches the next strip's tiles
