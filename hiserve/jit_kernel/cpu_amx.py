@@ -51,18 +51,18 @@ def amx_bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
             disagrees with the packed weight; RuntimeError: no AMX here, or a check of the
             C++ side (memory safety) failed.
     """
-    if not (x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
-            and packed.dtype == torch.bfloat16 and packed.is_cpu and packed.dim() == 3 and packed.is_contiguous()
-            and packed.shape[2] == 1024 and x.shape[1] == packed.shape[1] * 32
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
-                                  and bias.shape == (packed.shape[0] * 32,)))):
+    packed_ok = (packed.dtype == torch.bfloat16 and packed.is_cpu and packed.dim() == 3 and packed.is_contiguous()
+                 and packed.shape[2] == 1024)
+    bias_ok = bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
+                               and packed_ok and bias.shape == (packed.shape[0] * 32,))
+    if not (x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and packed_ok
+            and x.shape[1] == packed.shape[1] * 32 and bias_ok):
         _check(x.dtype == torch.bfloat16 and x.is_cpu, f"amx_bf16_gemm takes bfloat16 CPU rows, got {x.dtype}")
         _check(x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows")
-        _check(packed.dtype == torch.bfloat16 and packed.is_cpu and packed.dim() == 3 and packed.is_contiguous()
-               and packed.shape[2] == 1024, "packed must be a contiguous bf16 CPU tensor [N/32, K/32, 1024]")
+        _check(packed_ok, "packed must be a contiguous bf16 CPU tensor [N/32, K/32, 1024]")
         _check(x.shape[1] == packed.shape[1] * 32,
                f"x has K = {x.shape[1]}, the packed weight {packed.shape[1] * 32}")
-        _check(False, "bias must be a contiguous float32 CPU tensor [N]")
+        _check(bias_ok, "bias must be a contiguous float32 CPU tensor [N]")
     out = x.new_empty((x.shape[0], packed.shape[0] * 32))
     load_cpu_module().amx_bf16_gemm(x, packed, _NO_BIAS if bias is None else bias, out, torch.get_num_threads())
     return out

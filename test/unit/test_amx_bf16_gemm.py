@@ -24,15 +24,6 @@ from hiserve.layers import linear as linear_mod
 from hiserve.layers.linear import AmxLinear, PackedLinear, can_pack_for_cpu, prepack_linear
 
 
-@pytest.fixture
-def amx():
-    """In the test, not at collection (building the module at collection costs every run)."""
-    if not cpu_kernels.can_use_cpu_kernels():
-        pytest.skip("JIT CPU kernels do not build here")
-    if not cpu_kernels.amx_gemm_available():
-        pytest.skip(f"no AMX here (kernel ISA {cpu_kernels.detect_cpu().isa})")
-
-
 def _close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     """y (bf16) against float32 x @ W^T: within one bf16 rounding of the result plus the
     float32 summation-order difference."""

@@ -26,15 +26,6 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 
-@pytest.fixture
-def amx():
-    """In the test, not at collection (building the module at collection costs every run)."""
-    if not cpu_kernels.can_use_cpu_kernels():
-        pytest.skip("JIT CPU kernels do not build here")
-    if not cpu_kernels.amx_gemm_available():
-        pytest.skip(f"no AMX here (kernel ISA {cpu_kernels.detect_cpu().isa})")
-
-
 def _tensor(qtype: str, n: int, k: int, seed: int = 0) -> tuple[GGUFQuantizedTensor, torch.Tensor]:
     rng = np.random.default_rng(seed)
     w = (rng.normal(size=(n, k)) * 0.1 + rng.normal(size=(n, 1)) * 0.05).astype(np.float32)

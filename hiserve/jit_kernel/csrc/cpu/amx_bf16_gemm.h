@@ -1,6 +1,6 @@
-// Dense bf16 GEMM on Intel AMX: y [M, N] = x [M, K] w^T (+ bias), bf16 in and out, float32
-// sums (+ a float32 bias before the one rounding to bf16) (TDPBF16PS; Intel SDM vol. 2, "Intel AMX instructions"; the
-// 2 x 2 tile blocking and B-tile layout of the Intel Optimization Reference Manual, ch. 20).
+// Dense bf16 GEMM on Intel AMX: y [M, N] = x [M, K] w^T (+ bias), bf16 in and out; float32
+// sums and bias, one rounding to bf16 (TDPBF16PS: Intel SDM vol. 2, "Intel AMX instructions";
+// the 2 x 2 tile blocking and B-tile layout of the Intel Optimization Reference Manual, ch. 20).
 //
 // Why our own and not oneDNN's (PyTorch's prepacked mkldnn linear, which the dense weights
 // used before): on SmolLM2's shapes (K = 576 or 1536, N = 576 to 3072) at 200-1000 rows that
