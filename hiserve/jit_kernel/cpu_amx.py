@@ -66,3 +66,65 @@ def amx_bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     out = x.new_empty((x.shape[0], packed.shape[0] * 32))
     load_cpu_module().amx_bf16_gemm(x, packed, _NO_BIAS if bias is None else bias, out, torch.get_num_threads())
     return out
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
+_NO_LSE = torch.empty(0, dtype=torch.float32)
+
+
+def amx_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                        slots: torch.Tensor | None = None, cu_q: torch.Tensor | None = None,
+                        cu_k: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                        with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of one or more sequences' queries over their keys on AMX tiles
+    (csrc/cpu/amx_attention.h): float32 scores and online softmax (FlashAttention), the
+    probabilities rounded to bf16 for P v, one rounding of the output.
+
+    Args:
+        q: [Tq, Hq, D] bfloat16 on the CPU, last dim contiguous (other strides free); D a
+            multiple of 32, at most 256.
+        k, v: [R, Hkv, D] bfloat16, heads adjacent and each contiguous (a pool buffer, or new
+            rows), Hq a multiple of Hkv; query head h reads KV head h // (Hq / Hkv).
+        scale: the scores' factor (1/sqrt(D) for most models), > 0.
+        causal: in each sequence, query i of n sees keys j <= i + S - n (bottom-right
+            aligned, as FlashAttention); needs S >= n. False: every key of its sequence.
+        slots: int64 [Tk] contiguous, the rows of k/v that are the keys, in order (pool slots:
+            read in place); None: the keys are k/v's rows, Tk = R.
+        cu_q, cu_k: int64 [B + 1] contiguous offsets (FlashAttention's varlen form): sequence
+            b has q rows [cu_q[b], cu_q[b + 1]) and keys [cu_k[b], cu_k[b + 1]); None for
+            both: one sequence of all Tq queries and all Tk keys.
+        out: [Tq, Hq, D] bfloat16 to write (last dim contiguous, e.g. a view of the layer's
+            output); None: a new contiguous tensor.
+        with_lse: also return each query's natural-log log-sum-exp of its scaled scores,
+            float32 [Hq, Tq] (for a cascade merge).
+    Returns:
+        (out, lse or None).
+    Raises:
+        ValueError: dtypes, devices or shapes as not above; RuntimeError: no AMX here, a slot
+            or an offset out of range, or another check of the C++ side (memory safety).
+    """
+    _check(q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.is_cpu and k.is_cpu and v.is_cpu,
+           f"amx_flash_attention takes bfloat16 CPU tensors, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    _check(q.dim() == k.dim() == v.dim() == 3 and q.stride(2) == 1 and k.stride(2) == v.stride(2) == 1
+           and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2],
+           "q must be [Tq, Hq, D] and k/v [R, Hkv, D] with adjacent contiguous heads")
+    n, hq, d = q.shape
+    _check(d % 32 == 0 and 0 < d <= 256 and k.shape[2] == v.shape[2] == d and k.shape[:2] == v.shape[:2]
+           and hq % k.shape[1] == 0, f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _check(scale > 0, f"scale must be positive, got {scale}")
+    _check(slots is None or (slots.dtype == torch.int64 and slots.dim() == 1 and slots.is_contiguous()),
+           "slots must be a contiguous int64 vector")
+    _check((cu_q is None) == (cu_k is None), "give both cu_q and cu_k, or neither")
+    if cu_q is None:
+        s = k.shape[0] if slots is None else slots.numel()
+        _check(not causal or s >= n, f"causal attention needs at least as many keys ({s}) as queries ({n})")
+        _check(n == 0 or s > 0, "no keys")
+        cu_q, cu_k = torch.tensor([0, n], dtype=torch.int64), torch.tensor([0, s], dtype=torch.int64)
+    if out is None:
+        out = q.new_empty((n, hq, d))
+    _check(out.dtype == torch.bfloat16 and out.shape == (n, hq, d) and out.stride(2) == 1,
+           f"out must be bfloat16 [{n}, {hq}, {d}] with a contiguous last dim")
+    lse = torch.empty((hq, n), dtype=torch.float32) if with_lse else None
+    load_cpu_module().amx_flash_attention(q, k, v, _NO_SLOTS if slots is None else slots, cu_q, cu_k, out,
+                                          _NO_LSE if lse is None else lse, causal, scale, torch.get_num_threads())
+    return out, lse

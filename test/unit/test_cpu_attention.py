@@ -59,12 +59,15 @@ def _long_chunk_contexts(meta) -> list[int]:
     return sorted(split + [len(m[2]) for m in meta.gathered])
 
 
-@pytest.mark.parametrize("route", ["sdpa", "kernel"])
+@pytest.mark.parametrize("route", ["sdpa", "kernel", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group, dtype, route):
-    """Both EXTEND routings (`extend_routing`), whichever this CPU picks by itself."""
+    """Every EXTEND routing (`extend_routing`), whichever this CPU picks by itself ("amx" only on
+    an AMX CPU; a float32 pool there runs the sdpa paths on the amx routing's plan)."""
+    if route == "amx" and not cpu_kernels.amx_gemm_available():
+        pytest.skip("no AMX kernels here")
     c = Case(page_size=page_size, group=group, dtype=dtype, route=route)
     c.step(EXTEND, {"a": 1, "b": 37, "c": 130})  # fresh prompts (sdpa: SDPA on the new k/v)
     # sdpa: up to PAGED_EXTEND_MAX_NEW_TOKENS new tokens over a cached prefix through the paged
@@ -72,7 +75,7 @@ def test_prefill_chunked_prefill_and_decode_match_torch_native(page_size, group,
     # kernel: all four through the paged kernel
     c.step(EXTEND, {"b": 21, "d": 5, "c": 1, "a": 3})
     meta = c.backend._meta
-    if route == "sdpa":
+    if route != "kernel":
         assert _long_chunk_contexts(meta) == [37 + 21] and len(meta.fresh) == 1
     else:
         assert not _long_chunk_contexts(meta) and not meta.fresh and meta.paged.q_rows is None

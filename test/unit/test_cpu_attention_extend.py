@@ -74,10 +74,22 @@ def test_extend_routing_choice_and_override(monkeypatch):
     assert cpu_backend.extend_routing(torch.bfloat16, 80)[0] == "sdpa"
     route, why = cpu_backend.extend_routing(torch.bfloat16, 64)
     cpu = cpu_backend.detect_cpu()
-    assert route == ("kernel" if cpu.isa == "avx512_bf16" and "amx_bf16" not in cpu.features else "sdpa"), why
+    amx = cpu_backend.cpu_kernels.amx_gemm_available()
+    if "amx_bf16" in cpu.features:
+        assert route == ("amx" if amx else "sdpa"), why
+    else:
+        assert route == ("kernel" if cpu.isa == "avx512_bf16" else "sdpa"), why
     for choice in ("kernel", "sdpa"):
         monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", choice)
         assert cpu_backend.extend_routing(torch.float32, 64)[0] == choice
+    monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", "amx")
+    with pytest.raises(ValueError, match="bfloat16 pool and the AMX kernels"):
+        cpu_backend.extend_routing(torch.float32, 64)
+    if amx:
+        assert cpu_backend.extend_routing(torch.bfloat16, 64)[0] == "amx"
+    else:
+        with pytest.raises(ValueError, match="AMX kernels"):
+            cpu_backend.extend_routing(torch.bfloat16, 64)
     monkeypatch.setenv("HISERVE_CPU_EXTEND_ATTENTION", "fast")
     with pytest.raises(ValueError, match="HISERVE_CPU_EXTEND_ATTENTION"):
         cpu_backend.extend_routing(torch.bfloat16, 64)

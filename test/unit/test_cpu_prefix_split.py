@@ -51,16 +51,20 @@ def _run(pools, backend, oracle, layer, dtype, new_lens):
 
 @needs_kernels
 @needs_op
+@pytest.mark.parametrize("route", ["sdpa", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_shared_prefix_groups_match_torch_native(page_size, group, dtype):
+def test_shared_prefix_groups_match_torch_native(page_size, group, dtype, route):
+    """On both routings that split groups ("amx": the AMX kernel, on an AMX CPU)."""
+    if route == "amx" and not cpu_kernels.amx_gemm_available():
+        pytest.skip("no AMX kernels here")
     torch.manual_seed(page_size * 10 + group)
     hkv, d = 2, 64
     kv = MHATokenToKVPool(8192, page_size, dtype, hkv, d, 1, "cpu")
     pools = Pools(kv, max_reqs=12, max_context=2048)
     backend, oracle = CpuPagedAttnBackend(pools), TorchNativeAttnBackend()
-    backend.extend_route = "sdpa"
+    backend.extend_route = route
     layer = RadixAttention(hkv * group, d, d ** -0.5, hkv, layer_id=0)
     _run(pools, backend, oracle, layer, dtype, {"sys": 1000, "other": 300})  # fresh prompts
     # "tail" caches 64 tokens of its own past the shared prompt (cached in a first chunk)

@@ -8,13 +8,21 @@ stores the new tokens' K/V into the pool (in place of `set_kv_buffer`'s two inde
 and step); otherwise Python stores.
 
 EXTEND is routed once per backend from the CPU's features and the pool (`extend_routing`,
-logged once):
+logged once; the PAGED_EXTEND_MAX_NEW_TOKENS rule below holds for "amx" as for "sdpa"):
 
 * "kernel": a bf16 pool on an AVX512-BF16 CPU without AMX. Every EXTEND request (a fresh prompt,
   a question after a cached system prompt, a chunk of chunked prefill) runs the same kernel,
   whose multi-query tiles put both products on `_mm512_dpbf16_ps`
   (`csrc/cpu/extend_avx512bf16.h`): 3.2-5.0x torch's SDPA on one thread of the EPYC
   (benchmark/cpu/bench_extend_attention_ab.py).
+* "amx": a bf16 pool on an AMX CPU where the AMX kernels run, head dims a multiple of 32 up to 256.
+  The same paths as "sdpa" below, each on the AMX flash-attention kernel
+  (`cpu_amx_extend`, `csrc/cpu/amx_attention.h`): fresh prompts (adjacent ones in one varlen
+  call), a chunk over a cached prefix read in place through its slots (no gathered copy, no
+  mask tensor), and shared-prefix groups (the shared part and the members' own parts, one call
+  each). On the 2-core AMX Xeon (SmolLM2 heads, one layer, benchmark/cpu/bench_amx_attention.py)
+  it took 0.46-0.58x SDPA's time; in process, scenario (c)'s 7 x 56 questions over a 1008-token
+  prefix 130 -> ~98 ms a step and the 1061-token prompt 250 -> ~195 ms.
 * "sdpa" otherwise: requests over a cached prefix with at most `PAGED_EXTEND_MAX_NEW_TOKENS` (4)
   new tokens take the kernel (its dpbf16 tiles on a bf16 pool where the build has AVX512-BF16,
   AMX CPUs included; else its fp32 loops); a fresh prompt attends only over its own new
@@ -23,12 +31,12 @@ logged once):
   as torch_native does, unless other requests of the batch share that prefix's slots: then the
   group runs one unmasked SDPA call over the shared prefix for all their queries and one small
   masked call each over the rest, merged by log-sum-exp (`cpu_prefix_split`: a shared system
-  prompt read once for all of them). With AMX, SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit
-  than the kernel's dpbf16: on the 2-core AMX Xeon, in process (`bench_scheduler_steps.py --clock
-  wall`, one run each, session 19), the kernel routing took 62.7 ms for a 200-token prefill
-  against SDPA's 53.7 and scenario (c)'s TTFT 363 against 208 ms; without native bf16 or
-  with a float32 pool the kernel's loops are fp32 FMAs, where SDPA's GEMMs win from a few rows.
-  `HISERVE_CPU_EXTEND_ATTENTION=kernel|sdpa` overrides the choice (an A/B on a new CPU).
+  prompt read once for all of them). Before the AMX kernel, AMX CPUs took this routing rather
+  than "kernel": SDPA's flash attention runs oneDNN's AMX tiles, a wider bf16 unit than the
+  kernel's dpbf16 (session 19, in process: a 200-token prefill 62.7 ms on "kernel" against
+  53.7, scenario (c)'s TTFT 363 against 208 ms); without native bf16 or with a float32 pool the
+  kernel's loops are fp32 FMAs, where SDPA's GEMMs win from a few rows.
+  `HISERVE_CPU_EXTEND_ATTENTION=kernel|sdpa|amx` overrides the choice (an A/B on a new CPU).
 
 When the kernels cannot be built here (no compiler, no apache-tvm-ffi; one warning is
 logged) or the pool's dtype is not float32/bfloat16, every pass runs `torch_native` (the
@@ -40,13 +48,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from hiserve.hardware import detect_cpu
 from hiserve.jit_kernel import cpu as cpu_kernels
+from hiserve.layers.attention import cpu_amx_extend as amx_extend
 from hiserve.layers.attention import cpu_prefix_split as prefix_split
 from hiserve.layers.attention.base import AttentionBackend, RadixAttention
 from hiserve.layers.attention.torch_native import TorchNativeAttnBackend
@@ -69,8 +78,8 @@ def extend_override() -> str:
     """HISERVE_CPU_EXTEND_ATTENTION: "auto" (unset), "kernel" or "sdpa". Raises ValueError on
     another value (checked when the backend is built, so a typo stops the server at start)."""
     choice = os.environ.get("HISERVE_CPU_EXTEND_ATTENTION", "auto")
-    if choice not in ("auto", "kernel", "sdpa"):
-        raise ValueError(f"HISERVE_CPU_EXTEND_ATTENTION must be auto, kernel or sdpa, got {choice!r}")
+    if choice not in ("auto", "kernel", "sdpa", "amx"):
+        raise ValueError(f"HISERVE_CPU_EXTEND_ATTENTION must be auto, kernel, sdpa or amx, got {choice!r}")
     return choice
 
 
@@ -80,6 +89,9 @@ def extend_routing(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
     "sdpa" overrides "auto"; "kernel" where the dpbf16 tiles do not apply runs the kernel's
     portable loops (correct, slower). Raises ValueError on another value."""
     choice = extend_override()
+    if choice == "amx" and not (dtype == torch.bfloat16 and cpu_kernels.amx_gemm_available()):
+        raise ValueError("HISERVE_CPU_EXTEND_ATTENTION=amx needs a bfloat16 pool and the AMX kernels "
+                         "(an AMX CPU, kernels built with the amx tier)")
     if choice != "auto":
         return choice, f"HISERVE_CPU_EXTEND_ATTENTION={choice}"
     cpu = detect_cpu()
@@ -90,7 +102,9 @@ def extend_routing(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
     if head_dim % 32 or head_dim > _TILE_MAX_DIM:
         return "sdpa", f"head dim {head_dim}: the tiles take a multiple of 32, <= 256"
     if "amx_bf16" in cpu.features:
-        return "sdpa", "AMX: SDPA's flash attention runs oneDNN's AMX tiles"
+        if cpu_kernels.amx_gemm_available():
+            return "amx", "AMX: the AMX flash-attention kernel (csrc/cpu/amx_attention.h)"
+        return "sdpa", "AMX CPU without the AMX kernels: SDPA's flash attention runs oneDNN's AMX tiles"
     return "kernel", "AVX512-BF16 without AMX: the kernel's dpbf16 tiles (3.2-5.0x SDPA, one thread)"
 
 
@@ -119,6 +133,14 @@ class _Metadata:
     # long chunks over a cached prefix that other requests of the batch share, grouped by their
     # shared leading slots (cpu_prefix_split)
     groups: list[prefix_split.PrefixGroup]
+    # the "amx" routing's plans of `fresh` (adjacent prompts merged) and of `groups`
+    amx_fresh: list[amx_extend.FreshRun] = field(default_factory=list)
+    amx_groups: list[amx_extend.GroupPlan] = field(default_factory=list)
+
+
+def _causal_mask(n: int, s: int) -> torch.Tensor:
+    """[n, s] bool: query i (the i-th of the last n of s positions) sees keys j <= s - n + i."""
+    return torch.arange(s).view(1, -1) <= torch.arange(s - n, s).view(-1, 1)
 
 
 class CpuPagedAttnBackend(AttentionBackend):
@@ -187,10 +209,15 @@ class CpuPagedAttnBackend(AttentionBackend):
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
         store_loc = self._store_loc(forward_batch) if paged_all else None
-        groups, alone = prefix_split.plan_groups(chunks) if prefix_split.available() else ([], chunks)
-        gathered = [(start, end, slots, torch.arange(p + end - start).view(1, -1)
-                     <= torch.arange(p, p + end - start).view(-1, 1)) for start, end, p, slots in alone]
-        return _Metadata(paged, store_loc, fresh, gathered, groups)
+        grouping = prefix_split.available() or self.extend_route == "amx"
+        groups, alone = prefix_split.plan_groups(chunks) if grouping else ([], chunks)
+        amx = self.extend_route == "amx"  # the kernel reads the slots causally: no mask
+        gathered = [(start, end, slots, None if amx else _causal_mask(end - start, slots.numel()))
+                    for start, end, _, slots in alone]
+        if not amx:
+            return _Metadata(paged, store_loc, fresh, gathered, groups)
+        return _Metadata(paged, store_loc, fresh, gathered, groups, amx_extend.plan_fresh(fresh),
+                         [amx_extend.GroupPlan.of(g) for g in groups])
 
     def forward(
         self,
@@ -222,17 +249,37 @@ class CpuPagedAttnBackend(AttentionBackend):
         if paged_all:
             return self._paged(qk, k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
         out = q.new_empty((t, layer.num_heads * layer.v_head_dim))
+        if self.extend_route == "amx" and amx_extend.usable(q, k_buf, v_buf) and k.dtype == torch.bfloat16:
+            self._amx_extend(q, k, v, k_buf, v_buf, layer, meta, out)
+        else:
+            self._sdpa_extend(q, k, v, k_buf, v_buf, layer, meta, out)
+        if meta.paged is not None:
+            rows = meta.paged.q_rows
+            out[rows] = self._paged(qk[rows], k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
+        return out
+
+    def _sdpa_extend(self, q, k, v, k_buf, v_buf, layer: RadixAttention, meta: _Metadata, out: torch.Tensor) -> None:
+        """The "sdpa" routing's fresh prompts, groups and lone chunks over a prefix (module docstring)."""
         for start, end in meta.fresh:
             out[start:end] = self._fresh(q[start:end], k[start:end], v[start:end], layer)
         for group in meta.groups:
             prefix_split.attend_group(q, k_buf, v_buf, group, layer.num_heads, layer.scaling, out)
         for start, end, slots, mask in meta.gathered:
+            if mask is None:  # planned for the "amx" routing, run here on other dtypes
+                mask = _causal_mask(end - start, slots.numel())
             out[start:end] = self._attend(q[start:end], k_buf.index_select(0, slots).flatten(1),
                                           v_buf.index_select(0, slots).flatten(1), layer, mask)
-        if meta.paged is not None:
-            rows = meta.paged.q_rows
-            out[rows] = self._paged(qk[rows], k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
-        return out
+
+    @staticmethod
+    def _amx_extend(q, k, v, k_buf, v_buf, layer: RadixAttention, meta: _Metadata, out: torch.Tensor) -> None:
+        """The same three paths on the AMX flash-attention kernel (cpu_amx_extend)."""
+        hq, scale = layer.num_heads, layer.scaling
+        for run in meta.amx_fresh:
+            amx_extend.fresh(q, k, v, run, hq, scale, out)
+        for plan in meta.amx_groups:
+            amx_extend.attend_group(q, k_buf, v_buf, plan, hq, scale, out)
+        for start, end, slots, _ in meta.gathered:
+            amx_extend.over_slots(q[start:end], k_buf, v_buf, slots, hq, scale, out[start:end])
 
     def forward_mla(self, *args, **kwargs) -> torch.Tensor:
         """MLA runs torch_native's path (see `TorchNativeAttnBackend.forward_mla`)."""

@@ -7,7 +7,9 @@
 #include <tvm/ffi/container/tensor.h>
 
 #include <initializer_list>
+#include <vector>
 
+#include "amx_attention.h"
 #include "amx_bf16_gemm.h"
 #include "elementwise.h"
 #include "gguf_amx.h"
@@ -314,4 +316,63 @@ void amx_bf16_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi
   if (M == 0 || N == 0) return;
   amx_bf16_gemm(ptr<bf16>(x), x.stride(0), ptr<uint16_t>(packed), bias.size(0) ? ptr<float>(bias) : nullptr,
                 ptr<bf16>(out), N, M, N, K, static_cast<int>(std::max<int64_t>(1, num_threads)));
+}
+
+// Prefill attention on AMX (amx_attention.h), B sequences. q [Tq, Hq, D], k/v [R, Hkv, D] bf16
+// (last dim contiguous, heads adjacent, rows strided); slots int64 [Tk] rows of k/v (or [0]: the
+// keys are k/v's rows, Tk = R); cu_q / cu_k int64 [B + 1] offsets into q's rows and the keys;
+// out [Tq, Hq, D] bf16 (last dim contiguous); lse float32 [Hq, Tq] contiguous, or [0] for none.
+void amx_flash_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ffi::TensorView v,
+                         tvm::ffi::TensorView slots, tvm::ffi::TensorView cu_q, tvm::ffi::TensorView cu_k,
+                         tvm::ffi::TensorView out, tvm::ffi::TensorView lse, bool causal, double scale,
+                         int64_t num_threads) {
+  using namespace hiserve::cpu;
+  require(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3 && out.ndim() == 3, "q, k, v and out must be 3-D");
+  require(is_bf16(q), "q must be bfloat16");
+  same_dtype(q, k, "k"), same_dtype(q, v, "v"), same_dtype(q, out, "out");
+  require_inner_contiguous(q, "q"), require_inner_contiguous(k, "k"), require_inner_contiguous(v, "v");
+  require_inner_contiguous(out, "out");
+  const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), rows = k.size(0);
+  require(D % 32 == 0 && D > 0 && D <= kFlashMaxDim && k.size(2) == D && v.size(2) == D && v.size(1) == Hkv &&
+              v.size(0) == rows && Hkv > 0 && Hq % Hkv == 0 && out.size(0) == Tq && out.size(1) == Hq &&
+              out.size(2) == D && k.stride(1) == D && v.stride(1) == D,
+          "shapes disagree (D a multiple of 32 up to 256, Hq a multiple of Hkv, heads adjacent)");
+  const bool with_slots = slots.size(0) > 0;
+  const int64_t Tk = with_slots ? slots.size(0) : rows;
+  const int64_t* sl = with_slots ? ptr<int64_t>(slots) : nullptr;
+  if (with_slots) {
+    require(slots.ndim() == 1 && slots.IsContiguous() && slots.dtype().code == kDLInt && slots.dtype().bits == 64,
+            "slots must be contiguous int64 [Tk]");
+    for (int64_t j = 0; j < Tk; ++j) require(sl[j] >= 0 && sl[j] < rows, "a slot is out of range of k/v");
+  }
+  for (const TensorView* cu : {&cu_q, &cu_k})
+    require(cu->ndim() == 1 && cu->IsContiguous() && cu->dtype().code == kDLInt && cu->dtype().bits == 64 &&
+                cu->size(0) == cu_q.size(0) && cu->size(0) >= 2,
+            "cu_q and cu_k must be contiguous int64 [B + 1], B >= 1");
+  const int64_t B = cu_q.size(0) - 1;
+  const int64_t* cq = ptr<int64_t>(cu_q);
+  const int64_t* ck = ptr<int64_t>(cu_k);
+  require(cq[0] == 0 && ck[0] == 0 && cq[B] == Tq && ck[B] <= Tk, "cu_q must run from 0 to Tq, cu_k from 0 within the keys");
+  for (int64_t b = 0; b < B; ++b) {
+    require(cq[b + 1] >= cq[b] && ck[b + 1] >= ck[b], "cu_q and cu_k must not decrease");
+    require(!causal || ck[b + 1] - ck[b] >= cq[b + 1] - cq[b], "causal attention needs S >= n in every sequence");
+    require(cq[b + 1] == cq[b] || ck[b + 1] > ck[b], "a sequence with queries has no keys");
+  }
+  float* lp = nullptr;
+  if (lse.size(0) > 0) {
+    require(lse.ndim() == 2 && lse.IsContiguous() && lse.dtype().code == kDLFloat && lse.dtype().bits == 32 &&
+                lse.size(0) == Hq && lse.size(1) == Tq,
+            "lse must be contiguous float32 [Hq, Tq], or [0]");
+    lp = ptr<float>(lse);
+  }
+  if (Tq == 0) return;
+  const FlashBatch fb{{ptr<bf16>(q), q.stride(0), q.stride(1), ptr<bf16>(k), ptr<bf16>(v), k.stride(0), v.stride(0),
+                       sl, ptr<bf16>(out), out.stride(0), out.stride(1), lp, Tq, 0, 0, Hq, Hkv, D, causal,
+                       static_cast<float>(scale)},
+                      cq, ck, B};
+  int64_t blocks = 0;
+  for (int64_t b = 0; b < B; ++b) blocks += (ck[b + 1] - ck[b] + 31) / 32;
+  static thread_local std::vector<uint16_t> scratch;
+  scratch.resize(static_cast<size_t>(2 * Hkv * blocks * 32 * D));
+  amx_flash_attention(fb, scratch.data(), static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
