@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 _INIT_NEW_TOKEN_RATIO = 0.7
 _IDLE_POLL_MS = 50
+# How long an idle scheduler waits for requests the API process says it is still tokenizing
+# (~1 ms each for a 1000-token chat prompt): bounds the wait where one of them fails validation.
+_COALESCE_MS = 20
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
 _IN_BATCH_PREFIX_MIN = 32
@@ -145,13 +148,23 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
         return broadcast_pyobj(msgs) if self.tp.size > 1 else msgs
 
     def _recv_from_api(self, block: bool) -> list[Any]:
+        """Every waiting message. An idle scheduler (`block`) whose latest request says the API
+        process is still tokenizing others (`api_pending`) waits for them, at most
+        _COALESCE_MS: a burst of requests (clients that all got their answers in one step) is then
+        one prefill batch, not a lone first request whose prefill the others queue behind."""
         msgs = []
         if block and not self.recv_from_api.poll(_IDLE_POLL_MS):
             return msgs
+        deadline = time.monotonic() + _COALESCE_MS / 1e3
         while True:
             try:
                 msgs.append(self.recv_from_api.recv_pyobj(zmq.NOBLOCK))
+                continue
             except zmq.ZMQError:
+                pass
+            pending = getattr(msgs[-1], "api_pending", 0) if msgs else 0
+            left = deadline - time.monotonic()
+            if not (block and pending > 0 and left > 0 and self.recv_from_api.poll(left * 1e3)):
                 return msgs
 
     def _handle(self, msg: Any) -> None:
