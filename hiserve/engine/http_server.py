@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hiserve.engine import openai_routes
 from hiserve.engine.errors import ApiError, BadRequestError, ErrorResponse
 from hiserve.engine.http_limits import BodySizeLimitMiddleware, check_fanout
+from hiserve.engine.incoming import IncomingMiddleware
 from hiserve.engine.loads import legacy_load, load_entry
 from hiserve.engine.logprobs_format import apply_logprob_options
 from hiserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -70,7 +71,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     if tm.server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=tm.server_args.api_key)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True,
-                       allow_methods=["*"], allow_headers=["*"])  # outermost: 401s carry CORS headers
+                       allow_methods=["*"], allow_headers=["*"])  # outside the above: 401s carry CORS headers
+    app.add_middleware(IncomingMiddleware, counter=tm.incoming)  # outermost: counts from arrival
     app.include_router(router)
     if tm.server_args.enable_metrics:
         app.include_router(metrics_router)

@@ -28,8 +28,9 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False  # read by the API process only
-    # Requests the API process was still tokenizing when it sent this one: an idle scheduler
-    # waits for them (briefly) so that a burst is prefilled as one batch (Scheduler._recv_from_api).
+    # Generate requests the API process had accepted but not yet sent when it sent this one
+    # (hiserve.engine.incoming): an idle scheduler waits for them (briefly) so that a burst is
+    # prefilled as one batch (Scheduler._recv_from_api).
     api_pending: int = 0
 
 

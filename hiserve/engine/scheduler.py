@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 _INIT_NEW_TOKEN_RATIO = 0.7
 _IDLE_POLL_MS = 50
-# How long an idle scheduler waits for requests the API process says it is still tokenizing
-# (~1 ms each for a 1000-token chat prompt): bounds the wait where one of them fails validation.
+# How long an idle scheduler waits for requests the API process says are on their way (~2 ms
+# each for a 1000-token chat prompt): bounds the wait where one of them fails validation.
 _COALESCE_MS = 20
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
@@ -149,9 +149,10 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
 
     def _recv_from_api(self, block: bool) -> list[Any]:
         """Every waiting message. An idle scheduler (`block`) whose latest request says the API
-        process is still tokenizing others (`api_pending`) waits for them, at most
-        _COALESCE_MS: a burst of requests (clients that all got their answers in one step) is then
-        one prefill batch, not a lone first request whose prefill the others queue behind."""
+        process has accepted others it has not sent yet (`api_pending`, hiserve.engine.incoming)
+        waits for them, at most _COALESCE_MS: a burst of requests (clients that all got their
+        answers in one step) is then one prefill batch, not a lone first request whose prefill
+        the others queue behind."""
         msgs = []
         if block and not self.recv_from_api.poll(_IDLE_POLL_MS):
             return msgs

@@ -29,6 +29,7 @@ import zmq
 
 from hiserve.engine.errors import BadRequestError, ClientDisconnectedError, ServiceUnavailableError
 from hiserve.engine.http_limits import check_text_length, max_token_bytes
+from hiserve.engine.incoming import IncomingCounter
 from hiserve.engine.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -71,8 +72,8 @@ class TokenizerManager:
         self.fanout_limit = (getattr(ready, "max_running_requests", 0) or server_args.max_running_requests
                              or _DEFAULT_FANOUT_LIMIT)
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="hiserve-tokenize")
-        # requests between the start and the end of their tokenization (the scheduler's hint)
-        self.tokenizing = 0
+        # generate requests accepted by the app, not yet sent (the scheduler's batching hint)
+        self.incoming = IncomingCounter()
 
         # Sends never block (no high-water mark), so an abort can be sent from a cancelled task.
         self._send_ctx = zmq.Context()
@@ -163,11 +164,7 @@ class TokenizerManager:
         """
         check_text_length(texts, self.ready.max_req_input_len, self.context_len, self.max_token_bytes, param)
         loop = asyncio.get_running_loop()
-        self.tokenizing += 1
-        try:
-            return [await loop.run_in_executor(self._tokenize_pool, self.tokenize, t, param) for t in texts]
-        finally:
-            self.tokenizing -= 1
+        return [await loop.run_in_executor(self._tokenize_pool, self.tokenize, t, param) for t in texts]
 
     async def apply_chat_template_async(self, messages: list[dict[str, Any]],
                                         template_kwargs: Optional[dict[str, Any]],
@@ -177,12 +174,8 @@ class TokenizerManager:
         check_text_length([text], self.ready.max_req_input_len, self.context_len, self.max_token_bytes,
                           "messages")
         loop = asyncio.get_running_loop()
-        self.tokenizing += 1
-        try:
-            return await loop.run_in_executor(self._tokenize_pool, self.apply_chat_template, messages,
-                                              template_kwargs, continue_final_message)
-        finally:
-            self.tokenizing -= 1
+        return await loop.run_in_executor(self._tokenize_pool, self.apply_chat_template, messages,
+                                          template_kwargs, continue_final_message)
 
     def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of `text`; raises BadRequestError (400) for text the tokenizer refuses
@@ -289,7 +282,7 @@ class TokenizerManager:
             st = ReqState(req, parent, index, self.tokenizer, event, log_metrics)
             self.rid_to_state[req.rid] = st
             states.append(st)
-            req.api_pending = self.tokenizing
+            req.api_pending = self.incoming.handed_over()
             self._send(req)
         remaining = len(states)
         gone = None if request is None else asyncio.ensure_future(wait_disconnected(request))

@@ -1,7 +1,7 @@
 """A burst of requests becomes one prefill batch: the API process stamps each request it sends with
-how many others it is still tokenizing (`api_pending`), and an idle scheduler waits for those
-(at most _COALESCE_MS) before it forms a batch; a busy one never waits, nor does an idle one
-told nothing is pending."""
+how many other generate requests it has accepted and not yet sent (`api_pending`,
+hiserve.engine.incoming), and an idle scheduler waits for those (at most _COALESCE_MS) before it
+forms a batch; a busy one never waits, nor does an idle one told nothing is pending."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import zmq
 
 from api_app import make_tm
 from hiserve.engine import scheduler as scheduler_mod
-from hiserve.engine.errors import BadRequestError
+from hiserve.engine.incoming import IncomingCounter, IncomingMiddleware
 from hiserve.engine.io_struct import TokenizedGenerateReqInput
 from hiserve.engine.sampling_params import SamplingParams
 from hiserve.engine.scheduler import Scheduler
@@ -60,48 +60,61 @@ def test_idle_scheduler_waits_for_pending_requests_only():
         push.close(0)
 
 
-class _GatedTokenizer:
-    """encode("slow") blocks until `gate` is set; any other text encodes at once."""
-
-    chat_template = None
-
-    def __init__(self):
-        self.gate = threading.Event()
-
-    def get_vocab(self) -> dict[str, int]:
-        return {"a": 0}
-
-    def encode(self, text: str) -> list[int]:
-        if text == "slow":
-            self.gate.wait(5)
-        return [0]
+def _scope(path: str = "/v1/chat/completions", method: str = "POST") -> dict:
+    return {"type": "http", "method": method, "path": path, "headers": []}
 
 
-def test_api_stamps_requests_it_is_still_tokenizing():
+def test_incoming_counts_from_arrival_to_hand_over():
+    counter = IncomingCounter()
+    seen = {}
+    first_in, second_in = asyncio.Event(), asyncio.Event()
+
+    async def app(scope, receive, send):
+        name = scope["name"]
+        if name == "a":
+            first_in.set()
+            await second_in.wait()  # "b" arrives while "a" is still parsing/tokenizing
+            seen["a"] = counter.handed_over()
+            seen["a again"] = counter.handed_over()  # a second send (n > 1) counts nothing more
+        elif name == "b":
+            second_in.set()
+            await asyncio.sleep(0.01)
+            seen["b"] = counter.handed_over()
+        elif name == "bad":
+            raise ValueError("refused before it was sent")
+        else:
+            seen["other"] = counter.value
+
+    mw = IncomingMiddleware(app, counter)
+
+    async def scenario():
+        await asyncio.gather(mw({**_scope(), "name": "a"}, None, None),
+                             mw({**_scope("/generate"), "name": "b"}, None, None))
+        assert seen == {"a": 1, "a again": 1, "b": 0} and counter.value == 0
+        with pytest.raises(ValueError):
+            await mw({**_scope(), "name": "bad"}, None, None)
+        assert counter.value == 0  # counted off when its response ended
+        await mw({**_scope("/v1/models", "GET"), "name": "other"}, None, None)
+        assert seen["other"] == 0  # other routes are not counted
+        assert counter.handed_over() == 0  # outside a counted request: nothing to mark
+
+    asyncio.run(scenario())
+
+
+def test_generate_stamps_the_count():
     tm = make_tm()
-    tok = _GatedTokenizer()
-    tm.tokenizer = tok
     sent = []
     tm._send = sent.append
 
     async def scenario():
-        slow = asyncio.create_task(tm.tokenize_many(["slow"]))
-        await asyncio.sleep(0.02)
-        assert tm.tokenizing == 1  # "slow" is in the tokenizer pool
-        assert await tm.tokenize_many(["fast"]) == [[0]]
+        tm.incoming.value = 3  # three other requests accepted, not yet sent
         gen = tm.generate([(None, TokenizedGenerateReqInput("r1", [0], SamplingParams(max_new_tokens=1)))])
         first = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.02)
-        assert [m.api_pending for m in sent if isinstance(m, TokenizedGenerateReqInput)] == [1]
+        await asyncio.sleep(0.01)
         first.cancel()
-        tok.gate.set()
-        assert await slow == [[0]]
-        assert tm.tokenizing == 0
-        with pytest.raises(BadRequestError):
-            await tm.tokenize_many(["x" * 10 ** 7])  # refused before tokenizing: counts nothing
-        assert tm.tokenizing == 0
 
     try:
         asyncio.run(scenario())
     finally:
         tm._send_sock.close(0)
+    assert [m.api_pending for m in sent if isinstance(m, TokenizedGenerateReqInput)] == [3]
