@@ -44,6 +44,7 @@ CPU_FUNCTIONS = {
     "gguf_amx_pack": "GGUF Q4_0/Q4_1/Q8_0 blocks -> the AMX GEMM's 16 x 32 weight records",
     "gguf_amx_gemm": "GEMM of bf16 rows by AMX weight records (AMX tiles, one dequantization per call)",
     "amx_bf16_gemm": "dense bf16 GEMM on AMX tiles for many rows, weights in 32-feature tile strips",
+    "amx_bf16_gemm_silu": "the MLP's gate/up GEMM on AMX tiles with silu(gate) * up in its epilogue",
     "amx_flash_attention": "prefill attention on AMX tiles (causal or not, GQA, optional log-sum-exp)",
 }
 # Explicit -m flags per tier (see CpuInfo.isa). prefer-vector-width=512: gcc otherwise keeps

@@ -68,6 +68,31 @@ def amx_bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def amx_bf16_gemm_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(x @ W_gate^T) * (x @ W_up^T) on AMX tiles for W = [W_gate; W_up] [2I, K] packed by
+    `amx_bf16_pack` (the weight the plain `amx_bf16_gemm` takes): float32 sums, the activation
+    on them, one rounding to bf16 (the unfused path rounds gate and up, then silu).
+
+    Args:
+        x: [M, K] bfloat16 on the CPU, rows contiguous (strided rows allowed); any M.
+        packed: bf16 [2I/32, K/32, 1024] on the CPU, contiguous, I a multiple of 32.
+    Returns:
+        [M, I] bfloat16, contiguous.
+    Raises:
+        ValueError: x not bf16 [M, K], or a packed weight not as above or of another K;
+            RuntimeError: no AMX here, or a check of the C++ side failed.
+    """
+    _check(x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1,
+           f"amx_bf16_gemm_silu takes bfloat16 CPU rows [M, K], got {x.dtype} {tuple(x.shape)}")
+    _check(packed.dtype == torch.bfloat16 and packed.is_cpu and packed.dim() == 3 and packed.is_contiguous()
+           and packed.shape[2] == 1024 and packed.shape[0] % 2 == 0,
+           "packed must be a contiguous bf16 CPU tensor [2I/32, K/32, 1024]")
+    _check(x.shape[1] == packed.shape[1] * 32, f"x has K = {x.shape[1]}, the packed weight {packed.shape[1] * 32}")
+    out = x.new_empty((x.shape[0], packed.shape[0] * 16))
+    load_cpu_module().amx_bf16_gemm_silu(x, packed, out, torch.get_num_threads())
+    return out
+
+
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 _NO_LSE = torch.empty(0, dtype=torch.float32)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hiserve.jit_kernel.cpu import amx_gemm_available
-from hiserve.jit_kernel.cpu_amx import amx_bf16_gemm, amx_bf16_pack, amx_bf16_packable
+from hiserve.jit_kernel.cpu_amx import amx_bf16_gemm_silu, amx_bf16_gemm, amx_bf16_pack, amx_bf16_packable
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,15 @@ class AmxLinear(PackedLinear):
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         y = amx_bf16_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.packed_weight, self.bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a stacked [gate; up] layer: silu(gate) * up in the GEMM's epilogue
+        (`cpu_amx.amx_bf16_gemm_silu`), x [T, in_features] bf16 -> [T, out_features / 2] bf16.
+        None where that does not apply (a bias, input not 2-D with contiguous rows, out_features
+        not a multiple of 64): the caller then runs `forward` and the activation."""
+        if self.bias is not None or x.dim() != 2 or x.stride(1) != 1 or self.out_features % 64:
+            return None
+        return amx_bf16_gemm_silu(x, self.packed_weight)
 
 
 @functools.lru_cache(maxsize=None)

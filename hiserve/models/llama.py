@@ -71,7 +71,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # the activation in the GEMM's epilogue where the layer offers it (AMX dense GEMMs)
+        fused = getattr(self.gate_up_proj, "silu_mul", None)
+        h = fused(x) if fused is not None else None
+        return self.down_proj(h if h is not None else self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from hiserve.jit_kernel import cpu as cpu_kernels
-from hiserve.layers.linear import PackedLinear, can_pack_for_cpu, prepack_linear
+from hiserve.layers.linear import AmxLinear, PackedLinear, can_pack_for_cpu, prepack_linear
 from hiserve.layers.linear import linear as dense_linear
 
 GROUP_SIZE = 32  # values per llama.cpp block, and the kernel's group size
@@ -321,6 +321,14 @@ class GGUFInt4Linear(nn.Module):
         # dense_from_rows is sys.maxsize while there is no dense copy (amx_from_rows likewise)
         y = self._dense_matmul(x) if x.shape[0] >= self.dense_from_rows else self._matmul(x)
         return y if self._bias is None else y + self._bias
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a stacked gate|up layer: silu(gate) * up fused into the dense copy's GEMM
+        (`AmxLinear.silu_mul`) where this call takes that copy and it runs on AMX; else None
+        (the caller runs `forward` and the activation)."""
+        if x.shape[0] >= self.dense_from_rows and self._bias is None and isinstance(self.dense_weight, AmxLinear):
+            return self.dense_weight.silu_mul(x)
+        return None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Every call below the dense copy: AMX from `amx_from_rows`, else the few-row kernel."""

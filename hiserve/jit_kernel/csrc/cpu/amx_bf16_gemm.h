@@ -77,8 +77,9 @@ inline void amx_dense_configure(int64_t rows) {
 // One block: C = x rows [r, r + rows) times strip b (rows: 32, or the tail's; `two`: rows > 16).
 // Prefetches `per` lines of the next strip (from *pl up to `lines`) per K step, and converts
 // the previous block's sums while this block's tiles multiply.
+template <class Pending>  // AmxPendingBlock, or amx_bf16_gemm_silu.h's pair of blocks
 inline void amx_dense_block(const bf16* xa, int64_t ldx, const uint16_t* b, int64_t KB, bool two,
-                            const char* next, int64_t per, int64_t lines, int64_t* pl, AmxPendingBlock* pending) {
+                            const char* next, int64_t per, int64_t lines, int64_t* pl, Pending* pending) {
   const bf16* xb = xa + 16 * ldx;
   _tile_zero(4);
   _tile_zero(5);

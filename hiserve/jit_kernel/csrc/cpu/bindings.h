@@ -11,6 +11,7 @@
 
 #include "amx_attention.h"
 #include "amx_bf16_gemm.h"
+#include "amx_bf16_gemm_silu.h"
 #include "elementwise.h"
 #include "gguf_amx.h"
 #include "gguf_gemm.h"
@@ -316,6 +317,25 @@ void amx_bf16_gemm(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi
   if (M == 0 || N == 0) return;
   amx_bf16_gemm(ptr<bf16>(x), x.stride(0), ptr<uint16_t>(packed), bias.size(0) ? ptr<float>(bias) : nullptr,
                 ptr<bf16>(out), N, M, N, K, static_cast<int>(std::max<int64_t>(1, num_threads)));
+}
+
+// x [M, K] bf16 (row stride free); packed bf16 [2I/32, K/32, 1024] (amx_bf16_pack of [W_gate;
+// W_up]); out [M, I] bf16 contiguous = silu(x W_gate^T) * (x W_up^T).
+void amx_bf16_gemm_silu(tvm::ffi::TensorView x, tvm::ffi::TensorView packed, tvm::ffi::TensorView out,
+                        int64_t num_threads) {
+  using namespace hiserve::cpu;
+  require(x.ndim() == 2 && out.ndim() == 2 && out.IsContiguous(), "x and out must be 2-D, out contiguous");
+  require(is_bf16(x), "x must be bfloat16");
+  same_dtype(x, out, "out");
+  same_dtype(x, packed, "packed");
+  require_inner_contiguous(x, "x");
+  require(packed.IsContiguous() && packed.ndim() == 3 && packed.size(2) == 1024 && packed.size(0) % 2 == 0,
+          "packed must be a contiguous bf16 [2I/32, K/32, 1024] tensor");
+  const int64_t M = x.size(0), K = x.size(1), I = packed.size(0) * 16;
+  require(packed.size(1) * 32 == K && out.size(0) == M && out.size(1) == I && K > 0, "shapes disagree");
+  if (M == 0 || I == 0) return;
+  amx_bf16_gemm_silu(ptr<bf16>(x), x.stride(0), ptr<uint16_t>(packed), ptr<bf16>(out), I, M, I, K,
+                     static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
 
 // Prefill attention on AMX (amx_attention.h), B sequences. q [Tq, Hq, D], k/v [R, Hkv, D] bf16
