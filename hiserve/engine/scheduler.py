@@ -58,6 +58,9 @@ _IDLE_POLL_MS = 50
 # How long an idle scheduler waits for requests the API process says are on their way (~2 ms
 # each for a 1000-token chat prompt): bounds the wait where one of them fails validation.
 _COALESCE_MS = 20
+# ... and at most this long for the next one of them: a request the API process counted but then
+# refused (validation) or that is slow to tokenize does not hold the batch for the whole window.
+_COALESCE_GAP_MS = 5
 # A waiting request whose uncached part begins with this many tokens that a request in the
 # same prefill batch computes waits one round, then hits them in the radix cache.
 _IN_BATCH_PREFIX_MIN = 32
@@ -150,9 +153,9 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
     def _recv_from_api(self, block: bool) -> list[Any]:
         """Every waiting message. An idle scheduler (`block`) whose latest request says the API
         process has accepted others it has not sent yet (`api_pending`, hiserve.engine.incoming)
-        waits for them, at most _COALESCE_MS: a burst of requests (clients that all got their
-        answers in one step) is then one prefill batch, not a lone first request whose prefill
-        the others queue behind."""
+        waits for them, at most _COALESCE_MS in all and _COALESCE_GAP_MS for each: a burst of
+        requests (clients that all got their answers in one step) is then one prefill batch, not a
+        lone first request whose prefill the others queue behind."""
         msgs = []
         if block and not self.recv_from_api.poll(_IDLE_POLL_MS):
             return msgs
@@ -164,8 +167,8 @@ class Scheduler(OverlapSchedulerMixin, SchedulerResultsMixin, SchedulerOutputMix
             except zmq.ZMQError:
                 pass
             pending = getattr(msgs[-1], "api_pending", 0) if msgs else 0
-            left = deadline - time.monotonic()
-            if not (block and pending > 0 and left > 0 and self.recv_from_api.poll(left * 1e3)):
+            wait = min(deadline - time.monotonic(), _COALESCE_GAP_MS / 1e3)
+            if not (block and pending > 0 and wait > 0 and self.recv_from_api.poll(wait * 1e3)):
                 return msgs
 
     def _handle(self, msg: Any) -> None:

@@ -1,5 +1,7 @@
-"""Python side of the dense bf16 AMX GEMM (csrc/cpu/amx_bf16_gemm.h): the weight packing and
-the checked call. `amx_gemm_available()` (in `cpu`) says whether this process can run it."""
+"""Python side of the AMX kernels: the dense bf16 GEMM (csrc/cpu/amx_bf16_gemm.h) and its weight
+packing, the MLP's gate/up GEMM with silu in its epilogue (amx_bf16_gemm_silu.h) and the prefill
+flash attention (amx_attention.h), each a checked call. `amx_gemm_available()` (in `cpu`) says
+whether this process can run them."""
 
 from __future__ import annotations
 
@@ -135,11 +137,13 @@ def amx_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
            "q must be [Tq, Hq, D] and k/v [R, Hkv, D] with adjacent contiguous heads")
     n, hq, d = q.shape
     _check(d % 32 == 0 and 0 < d <= 256 and k.shape[2] == v.shape[2] == d and k.shape[:2] == v.shape[:2]
-           and hq % k.shape[1] == 0, f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+           and k.shape[1] > 0 and hq % k.shape[1] == 0,
+           f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _check(scale > 0, f"scale must be positive, got {scale}")
-    _check(slots is None or (slots.dtype == torch.int64 and slots.dim() == 1 and slots.is_contiguous()),
-           "slots must be a contiguous int64 vector")
+    _check(slots is None or (slots.dtype == torch.int64 and slots.dim() == 1 and slots.is_contiguous()
+                             and slots.is_cpu), "slots must be a contiguous int64 CPU vector")
     _check((cu_q is None) == (cu_k is None), "give both cu_q and cu_k, or neither")
+    _check(cu_q is None or (cu_q.is_cpu and cu_k.is_cpu), "cu_q and cu_k must be CPU tensors")
     if cu_q is None:
         s = k.shape[0] if slots is None else slots.numel()
         _check(not causal or s >= n, f"causal attention needs at least as many keys ({s}) as queries ({n})")
@@ -147,8 +151,8 @@ def amx_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         cu_q, cu_k = torch.tensor([0, n], dtype=torch.int64), torch.tensor([0, s], dtype=torch.int64)
     if out is None:
         out = q.new_empty((n, hq, d))
-    _check(out.dtype == torch.bfloat16 and out.shape == (n, hq, d) and out.stride(2) == 1,
-           f"out must be bfloat16 [{n}, {hq}, {d}] with a contiguous last dim")
+    _check(out.dtype == torch.bfloat16 and out.is_cpu and out.shape == (n, hq, d) and out.stride(2) == 1,
+           f"out must be a bfloat16 CPU tensor [{n}, {hq}, {d}] with a contiguous last dim")
     lse = torch.empty((hq, n), dtype=torch.float32) if with_lse else None
     load_cpu_module().amx_flash_attention(q, k, v, _NO_SLOTS if slots is None else slots, cu_q, cu_k, out,
                                           _NO_LSE if lse is None else lse, causal, scale, torch.get_num_threads())

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hiserve.jit_kernel.cpu import amx_gemm_available
-from hiserve.jit_kernel.cpu_amx import amx_bf16_gemm_silu, amx_bf16_gemm, amx_bf16_pack, amx_bf16_packable
+from hiserve.jit_kernel.cpu_amx import amx_bf16_gemm, amx_bf16_gemm_silu, amx_bf16_pack, amx_bf16_packable
 
 logger = logging.getLogger(__name__)
 

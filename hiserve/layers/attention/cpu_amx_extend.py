@@ -24,12 +24,12 @@ from hiserve.jit_kernel.cpu_amx import amx_flash_attention
 from hiserve.layers.attention.cpu_prefix_split import PrefixGroup
 
 
-def usable(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
-    """Whether this layer's tensors fit the kernel: bf16 q and pool, K and V of one head dim, a
-    multiple of 32 and at most 256."""
+def usable(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, num_heads: int) -> bool:
+    """Whether this layer's tensors fit the kernel: bf16 q [T, Hq * D] and pool, K, V and q of one
+    head dim, a multiple of 32 and at most 256."""
     d = k_buf.shape[-1]
     return (q.dtype == k_buf.dtype == v_buf.dtype == torch.bfloat16 and v_buf.shape[-1] == d
-            and d % 32 == 0 and d <= 256)
+            and q.shape[-1] == num_heads * d and d % 32 == 0 and d <= 256)
 
 
 @dataclass
@@ -65,6 +65,7 @@ class GroupPlan:
 
     @staticmethod
     def of(group: PrefixGroup) -> GroupPlan:
+        """The plan of `group` (made once per batch, used by every layer)."""
         ns = [m.rows.numel() for m in group.members]
         ts = [m.own_slots.numel() for m in group.members]
         return GroupPlan(group, torch.cat([m.own_slots for m in group.members]),

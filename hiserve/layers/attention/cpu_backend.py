@@ -75,8 +75,8 @@ _TILE_MAX_DIM = 256  # extend_avx512bf16.h: kExtendMaxDim (head dims a multiple 
 
 
 def extend_override() -> str:
-    """HISERVE_CPU_EXTEND_ATTENTION: "auto" (unset), "kernel" or "sdpa". Raises ValueError on
-    another value (checked when the backend is built, so a typo stops the server at start)."""
+    """HISERVE_CPU_EXTEND_ATTENTION: "auto" (unset), "kernel", "sdpa" or "amx". Raises ValueError
+    on another value (checked when the backend is built, so a typo stops the server at start)."""
     choice = os.environ.get("HISERVE_CPU_EXTEND_ATTENTION", "auto")
     if choice not in ("auto", "kernel", "sdpa", "amx"):
         raise ValueError(f"HISERVE_CPU_EXTEND_ATTENTION must be auto, kernel, sdpa or amx, got {choice!r}")
@@ -84,10 +84,12 @@ def extend_override() -> str:
 
 
 def extend_routing(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
-    """("kernel" | "sdpa", why) for EXTEND requests over an MHA pool of `dtype` with this head
-    dim (K and V alike) on this CPU (see the module docstring). `HISERVE_CPU_EXTEND_ATTENTION` = "kernel" or
-    "sdpa" overrides "auto"; "kernel" where the dpbf16 tiles do not apply runs the kernel's
-    portable loops (correct, slower). Raises ValueError on another value."""
+    """("kernel" | "sdpa" | "amx", why) for EXTEND requests over an MHA pool of `dtype` with this
+    head dim (K and V alike) on this CPU (see the module docstring). `HISERVE_CPU_EXTEND_ATTENTION`
+    = "kernel", "sdpa" or "amx" overrides "auto"; "kernel" where the dpbf16 tiles do not apply
+    runs the kernel's portable loops (correct, slower); "amx" on a layer the AMX kernel does not
+    take (not bf16, a head dim not a multiple of 32 up to 256) runs the "sdpa" paths.
+    Raises ValueError on another value, or "amx" without a bf16 pool and the AMX kernels."""
     choice = extend_override()
     if choice == "amx" and not (dtype == torch.bfloat16 and cpu_kernels.amx_gemm_available()):
         raise ValueError("HISERVE_CPU_EXTEND_ATTENTION=amx needs a bfloat16 pool and the AMX kernels "
@@ -126,10 +128,11 @@ class _Metadata:
     # the whole batch, on the plain MHA pool, with contiguous int64 CPU slots); else None
     store_loc: torch.Tensor | None
     fresh: list[tuple[int, int]]  # (q_start, q_end) of EXTEND requests without a cached prefix
-    # (q_start, q_end, context slots [seq_len] int64, causal mask [n, seq_len]) of long chunks
-    # over a cached prefix that shares it with no other request of the batch (or every such
-    # chunk where this torch lacks the flash op `groups` run on)
-    gathered: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # (q_start, q_end, context slots [seq_len] int64, causal mask [n, seq_len] or None on the
+    # "amx" routing, whose kernel reads the slots causally) of long chunks over a cached prefix
+    # that shares it with no other request of the batch (or every such chunk where this torch
+    # lacks the flash op the "sdpa" routing's `groups` run on)
+    gathered: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     # long chunks over a cached prefix that other requests of the batch share, grouped by their
     # shared leading slots (cpu_prefix_split)
     groups: list[prefix_split.PrefixGroup]
@@ -155,7 +158,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         # The kernel stores the new K/V itself when it runs the whole batch (saves two
         # index_put_ and their Python per layer and step); False: set_kv_buffer first (A/B).
         self.fuse_kv_store = True
-        # "kernel" | "sdpa" (extend_routing), decided from the pool at the first batch unless set.
+        # "kernel" | "sdpa" | "amx" (extend_routing), decided from the pool at the first batch unless set.
         self.extend_route: str | None = None
         extend_override()  # a bad HISERVE_CPU_EXTEND_ATTENTION fails here, at start
 
@@ -187,9 +190,10 @@ class CpuPagedAttnBackend(AttentionBackend):
         self._meta = _Metadata(_PagedMetadata(idx, lens, starts, None), self._store_loc(forward_batch), [], [], [])
 
     def _split_extend(self, forward_batch: ForwardBatch, idx: torch.Tensor, lens: torch.Tensor) -> _Metadata:
-        """The "sdpa" EXTEND routing: each request to SDPA on its own k/v (fresh prompt), gather +
-        SDPA or, with others on the same cached prefix, the split and shared calls (long chunk
-        over a cached prefix), or the kernel (a few tokens over a prefix)."""
+        """The "sdpa" and "amx" EXTEND routings' plan: a fresh prompt attends over its own k/v, a
+        long chunk over a cached prefix over its context slots or, with others on the same cached
+        prefix, through the split and shared calls, and a few tokens over a prefix through the
+        paged kernel."""
         fresh, chunks, cached, rows, starts, q = [], [], [], [], [0], 0
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         for i, (n, prefix) in enumerate(zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)):
@@ -209,8 +213,8 @@ class CpuPagedAttnBackend(AttentionBackend):
             paged = _PagedMetadata(idx[sel], lens[sel], torch.tensor(starts, dtype=torch.int64), q_rows)
         paged_all = paged is not None and paged.q_rows is None
         store_loc = self._store_loc(forward_batch) if paged_all else None
-        grouping = prefix_split.available() or self.extend_route == "amx"
-        groups, alone = prefix_split.plan_groups(chunks) if grouping else ([], chunks)
+        # groups only where the flash op exists: a layer the AMX kernel does not take runs them on it
+        groups, alone = prefix_split.plan_groups(chunks) if prefix_split.available() else ([], chunks)
         amx = self.extend_route == "amx"  # the kernel reads the slots causally: no mask
         gathered = [(start, end, slots, None if amx else _causal_mask(end - start, slots.numel()))
                     for start, end, _, slots in alone]
@@ -249,7 +253,8 @@ class CpuPagedAttnBackend(AttentionBackend):
         if paged_all:
             return self._paged(qk, k_buf, v_buf, layer, forward_batch, meta.paged).to(q.dtype)
         out = q.new_empty((t, layer.num_heads * layer.v_head_dim))
-        if self.extend_route == "amx" and amx_extend.usable(q, k_buf, v_buf) and k.dtype == torch.bfloat16:
+        amx = self.extend_route == "amx" and k.dtype == torch.bfloat16
+        if amx and amx_extend.usable(q, k_buf, v_buf, layer.num_heads):
             self._amx_extend(q, k, v, k_buf, v_buf, layer, meta, out)
         else:
             self._sdpa_extend(q, k, v, k_buf, v_buf, layer, meta, out)

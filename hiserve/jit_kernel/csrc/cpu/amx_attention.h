@@ -24,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <new>
 #include <vector>
 
 #include "amx_attention_item.h"
@@ -81,6 +82,10 @@ inline void amx_flash_attention(const FlashBatch& fb, uint16_t* scratch, int num
   uint16_t* kp = scratch;
   uint16_t* vp = scratch + a0.Hkv * per_head;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, NI)));
+  // Each thread's item state, allocated here: an exception must not leave a parallel region.
+  const size_t state_bytes = d64 ? sizeof(FlashState64) : sizeof(FlashState);  // multiples of 64
+  char* states = static_cast<char*>(std::aligned_alloc(64, state_bytes * nt));
+  if (states == nullptr) throw std::bad_alloc();
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
@@ -89,7 +94,7 @@ inline void amx_flash_attention(const FlashBatch& fb, uint16_t* scratch, int num
       const int64_t b = std::upper_bound(kb_off.begin(), kb_off.end(), g) - kb_off.begin() - 1;
       flash_pack_block(fb.seq(b), hk, g - kb_off[b], kp + hk * per_head + g * blk, vp + hk * per_head + g * blk);
     }
-    void* st = std::aligned_alloc(64, d64 ? sizeof(FlashState64) : sizeof(FlashState));
+    void* st = states + state_bytes * omp_get_thread_num();
     if (d64) flash_configure16(); else amx_dense_configure(32);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < NI; ++t) {
@@ -102,8 +107,8 @@ inline void amx_flash_attention(const FlashBatch& fb, uint16_t* scratch, int num
         flash_item(a, *static_cast<FlashState*>(st), hq, it.qb * 32, kp + off, vp + off);
     }
     _tile_release();
-    std::free(st);
   }
+  std::free(states);
 }
 
 #else  // not an AMX build: the Python side never calls this (it checks the tier first)

@@ -66,7 +66,7 @@ inline void flash_pack_block(const FlashCall& a, int64_t hk, int64_t kb, uint16_
 }
 
 // 2^x for the softmax's arguments (x <= kFlashLazy): x = i + f, |f| <= 0.5, 2^f by its degree-5
-// Taylor polynomial in f ln 2 (relative error < 2e-6, far below the bf16 rounding of P), 2^i by
+// Taylor polynomial in f ln 2 (relative error < 4e-6, far below the bf16 rounding of P), 2^i by
 // scalef (0 below 2^-149). x = -inf (a masked key) gives NaN: callers zero masked lanes.
 HISERVE_ALWAYS_INLINE __m512 flash_exp2(__m512 x) {
   const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -392,7 +392,12 @@ void amx_flash_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ff
                       cq, ck, B};
   int64_t blocks = 0;
   for (int64_t b = 0; b < B; ++b) blocks += (ck[b + 1] - ck[b] + 31) / 32;
+  require(scale > 0, "scale must be positive (the running max is kept on unscaled scores)");
+  // Kept across calls (one allocation per prompt size, not per layer), but not a long prompt's
+  // size for good: a much larger buffer than this call needs is given back first.
   static thread_local std::vector<uint16_t> scratch;
-  scratch.resize(static_cast<size_t>(2 * Hkv * blocks * 32 * D));
+  const size_t need = static_cast<size_t>(2 * Hkv * blocks * 32 * D);
+  if (scratch.capacity() > 4 * need && scratch.capacity() > (size_t{32} << 20)) std::vector<uint16_t>().swap(scratch);
+  scratch.resize(need);
   amx_flash_attention(fb, scratch.data(), static_cast<int>(std::max<int64_t>(1, num_threads)));
 }
