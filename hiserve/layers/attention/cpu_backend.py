@@ -20,9 +20,9 @@ logged once; the PAGED_EXTEND_MAX_NEW_TOKENS rule below holds for "amx" as for "
   (`cpu_amx_extend`, `csrc/cpu/amx_attention.h`): fresh prompts (adjacent ones in one varlen
   call), a chunk over a cached prefix read in place through its slots (no gathered copy, no
   mask tensor), and shared-prefix groups (the shared part and the members' own parts, one call
-  each). On the 2-core AMX Xeon (SmolLM2 heads, one layer, benchmark/cpu/bench_amx_attention.py)
-  it took 0.46-0.58x SDPA's time; in process, scenario (c)'s 7 x 56 questions over a 1008-token
-  prefix 130 -> ~98 ms a step and the 1061-token prompt 250 -> ~195 ms.
+  each). On the 2-core AMX Xeon (SmolLM2 heads, one layer, benchmark/results/cpu_amx_attention.json)
+  it took 0.50-0.64x SDPA's time for prompts and a question over a prefix, 0.80x for a group's
+  shared part; in process, scenario (c)'s TTFT 183 -> 158 ms.
 * "sdpa" otherwise: requests over a cached prefix with at most `PAGED_EXTEND_MAX_NEW_TOKENS` (4)
   new tokens take the kernel (its dpbf16 tiles on a bf16 pool where the build has AVX512-BF16,
   AMX CPUs included; else its fp32 loops); a fresh prompt attends only over its own new
