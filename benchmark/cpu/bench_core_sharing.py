@@ -8,89 +8,68 @@ measures, per policy (the default, `OMP_WAIT_POLICY=passive`, a short `GOMP_SPIN
 server's time per output token (32 tokens, greedy, ignore_eos; median of 3 requests) alone and
 while a torch process multiplies 256 x 256 matrices in a loop on the same cores (its own
 defaults), in --trials separate starts of that process: the outcome is bistable (on the 2-core
-AMX Xeon the default took ~20 ms a token in some starts and ~720 ms in others).
+AMX Xeon the default took ~20 ms a token in some starts and ~720 ms in others). The server is
+started as the same-run comparison starts it (`engines.hiserve_spec`, `engines.RunningEngine`).
 
     python benchmark/cpu/bench_core_sharing.py [--out benchmark/results/cpu_core_sharing.json]
 
-Prints a table; the JSON holds the command, CPU (lscpu), cores, date and every figure.
+Prints a table; the JSON holds the command, CPU (lscpu: model, flags), the server's command and
+version, date and every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scheduler_steps import _cpu_model  # noqa: E402
+import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_linear import lscpu  # noqa: E402
+from engines import RunningEngine, hiserve_spec  # noqa: E402
+
 POLICIES = {"default": {}, "OMP_WAIT_POLICY=passive": {"OMP_WAIT_POLICY": "passive"},
             "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"}}
 HOG = "import torch\nwhile True:\n    torch.mm(torch.randn(256, 256), torch.randn(256, 256))\n    torch.randn(64).sum()\n"
 
 
-def _ms_per_token(port: int, n: int = 3) -> list[float]:
-    """Wall ms per output token of n sequential 32-token completions."""
-    body = json.dumps({"model": "default", "prompt": "Tell me a long story about a dragon and a knight.",
-                       "max_tokens": 32, "temperature": 0, "ignore_eos": True}).encode()
+def _ms_per_token(base_url: str, n: int = 3) -> float:
+    """Median wall ms per output token of n sequential 32-token completions."""
+    body = {"model": "default", "prompt": "Tell me a long story about a dragon and a knight.",
+            "max_tokens": 32, "temperature": 0, "ignore_eos": True}
     out = []
     for _ in range(n):
         start = time.perf_counter()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        usage = json.loads(urllib.request.urlopen(req, timeout=600).read())["usage"]
-        out.append((time.perf_counter() - start) * 1e3 / usage["completion_tokens"])
-    return out
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError("server not healthy in time")
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+        r = httpx.post(base_url + "/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        out.append((time.perf_counter() - start) * 1e3 / r.json()["usage"]["completion_tokens"])
+    return statistics.median(out)
 
 
 def run_policy(env_extra: dict[str, str], port: int, log: Path, trials: int) -> dict:
     """Start the server with env_extra, measure alone, then next to `trials` starts of the torch
     process (each trial's median ms per token)."""
-    env = os.environ | env_extra
-    with log.open("w") as f:
-        srv = subprocess.Popen([sys.executable, "-m", "hiserve.launch_server", "--host", "127.0.0.1",
-                                "--port", str(port)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(port, srv)
-        _ms_per_token(port, 1)  # warm-up
-        alone, shared = _ms_per_token(port), []
+    spec = hiserve_spec(port)
+    spec.env.update(env_extra)
+    with RunningEngine(spec, log) as engine:
+        _ms_per_token(engine.base_url, 1)  # warm-up
+        alone, shared = _ms_per_token(engine.base_url), []
         for _ in range(trials):
             hog = subprocess.Popen([sys.executable, "-c", HOG])
             try:
                 time.sleep(2)
-                shared.append(_median(_ms_per_token(port)))
+                shared.append(_ms_per_token(engine.base_url))
             finally:
                 hog.kill()
                 hog.wait()
-    finally:
-        srv.terminate()
-        srv.wait(timeout=60)
-    return {"alone_ms_per_token": alone, "shared_trials_ms_per_token": shared,
-            "alone_median": _median(alone), "shared_best": min(shared), "shared_worst": max(shared)}
+    return {"server": spec.shell_command(), "alone_ms_per_token": alone, "shared_trials_ms_per_token": shared,
+            "shared_best": min(shared), "shared_worst": max(shared)}
 
 
 def main() -> None:
@@ -104,16 +83,16 @@ def main() -> None:
     for name, extra in POLICIES.items():
         rows[name] = run_policy(extra, args.port, Path(args.log_dir) / f"core_sharing_{len(rows)}.log",
                                 args.trials)
-    base = rows["default"]["alone_median"]
+    base = rows["default"]["alone_ms_per_token"]
     print(f"{'policy':<26} {'alone ms/tok':>13} {'shared best':>12} {'shared worst':>13} {'alone / default':>16}")
     for name, r in rows.items():
-        r["alone_over_default_alone"] = r["alone_median"] / base
-        print(f"{name:<26} {r['alone_median']:>13.1f} {r['shared_best']:>12.1f} {r['shared_worst']:>13.1f} "
+        r["alone_over_default_alone"] = r["alone_ms_per_token"] / base
+        print(f"{name:<26} {r['alone_ms_per_token']:>13.1f} {r['shared_best']:>12.1f} {r['shared_worst']:>13.1f} "
               f"{r['alone_over_default_alone']:>16.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu_core_sharing", "command": " ".join(["python"] + sys.argv),
-            "date": datetime.now(timezone.utc).isoformat(), "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "date": datetime.now(timezone.utc).isoformat(), "cpu": lscpu(), "hiserve": hiserve_spec(args.port).version,
             "trials": args.trials, "other_program": HOG, "policies": rows}, indent=1))
 
 

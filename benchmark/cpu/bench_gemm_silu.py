@@ -4,8 +4,8 @@ same process, interleaved.
 
 Part 1, the kernel: SmolLM2-135M's gate/up shape (2 x 1536 x 576) at 16 to 2048 rows; each
 sample calls 30 layers' weights in turn (a model's count, weights read cold as in a forward pass);
-the two alternate sample by sample in ABBA order; medians of --reps. The fused output is checked
-against the unfused one first (to bf16 rounding).
+the two alternate sample by sample (`bench_cpu_attention.interleaved_medians`); medians of
+--reps. The fused output is checked against the unfused one first (to bf16 rounding).
 
 Part 2 (--steps): `make serve` defaults driven in process (`bench_scheduler_steps.Driver`), the
 fused path switched on and off between requests (ABBA) by patching `GGUFInt4Linear.silu_mul`:
@@ -14,7 +14,7 @@ system prompt (scenario (c)'s second step), medians of --reps each.
 
     python benchmark/cpu/bench_gemm_silu.py [--steps] [--out benchmark/results/cpu_amx_gemm_silu.json]
 
-Prints a table; the JSON holds the command, CPU (lscpu), threads, date and every median.
+Prints a table; the JSON holds the command, CPU (lscpu: model, flags), threads, date and every median.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scheduler_steps import WORDS, Driver, _cpu_model  # noqa: E402
+from bench_cpu_attention import interleaved_medians  # noqa: E402
+from bench_linear import lscpu  # noqa: E402
+from bench_scheduler_steps import WORDS, Driver  # noqa: E402
 
 from hiserve.jit_kernel import cpu as cpu_kernels  # noqa: E402
 from hiserve.jit_kernel.cpu_amx import amx_bf16_gemm, amx_bf16_gemm_silu, amx_bf16_pack  # noqa: E402
@@ -39,17 +41,6 @@ from hiserve.layers.quantization.gguf import GGUFInt4Linear  # noqa: E402
 
 INTER, HIDDEN, LAYERS = 1536, 576, 30
 ROWS = (16, 64, 200, 448, 1061, 2048)
-
-
-def _abba(first, second, reps: int) -> tuple[float, float]:
-    """Medians (ms) of `first` and `second`, alternating in ABBA order."""
-    a, b = [], []
-    for i in range(reps):
-        for fn, out in (((first, a), (second, b)) if i % 2 == 0 else ((second, b), (first, a))):
-            start = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(a), statistics.median(b)
 
 
 @torch.inference_mode()
@@ -62,8 +53,10 @@ def kernel_table(reps: int) -> list[dict]:
         fused = amx_bf16_gemm_silu(x, packed[0])
         unfused = cpu_kernels.silu_and_mul(amx_bf16_gemm(x, packed[0]))
         torch.testing.assert_close(fused.float(), unfused.float(), rtol=2 ** -6, atol=2e-3)
-        un, fu = _abba(lambda: [cpu_kernels.silu_and_mul(amx_bf16_gemm(x, p)) for p in packed],
-                       lambda: [amx_bf16_gemm_silu(x, p) for p in packed], reps)
+        ms = interleaved_medians({"unfused": lambda: [cpu_kernels.silu_and_mul(amx_bf16_gemm(x, p)) for p in packed],
+                                  "fused": lambda: [amx_bf16_gemm_silu(x, p) for p in packed]},
+                                 reps, time.perf_counter)
+        un, fu = ms["unfused"], ms["fused"]
         rows.append({"rows": m, "unfused_ms_per_layer": un / LAYERS, "fused_ms_per_layer": fu / LAYERS,
                      "fused_over_unfused": fu / un})
     return rows
@@ -126,7 +119,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu_amx_gemm_silu", "command": " ".join(["python"] + sys.argv),
-            "date": datetime.now(timezone.utc).isoformat(), "cpu": _cpu_model(),
+            "date": datetime.now(timezone.utc).isoformat(), "cpu": lscpu(),
             "isa": cpu_kernels.detect_cpu().isa, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "shape": {"inter": INTER, "hidden": HIDDEN}, "layers_per_sample": LAYERS, "reps": args.reps,
             "kernel": rows, "steps": step}, indent=1))

@@ -63,9 +63,14 @@ class _Layer(NamedTuple):
     gate_up_proj: Callable[[torch.Tensor], torch.Tensor]
     down_proj: Callable[[torch.Tensor], torch.Tensor]
     layer_id: int
-    # silu(gate) * up in the gate/up GEMM's epilogue where the layer offers it (None -> unfused);
+    # silu(gate) * up in the gate/up GEMM's epilogue where the layer offers it (None: unfused);
     # the loop must take it where LlamaMLP does, or its bf16 rounding differs from the modules'.
-    silu_mul: Callable[[torch.Tensor], torch.Tensor | None] | None
+    silu_mul: Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def _no_silu_mul(x: torch.Tensor) -> None:
+    """A gate/up layer without a fused epilogue: the loop runs the GEMM, then the activation."""
+    return None
 
 
 def _out_dtype(linear: nn.Module) -> torch.dtype | None:
@@ -125,7 +130,7 @@ class CpuDecodeLoop:
         self.layers = [_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                               layer.self_attn.qkv_proj.forward, layer.self_attn.o_proj.forward,
                               layer.mlp.gate_up_proj.forward, layer.mlp.down_proj.forward,
-                              layer.self_attn.attn.layer_id, getattr(layer.mlp.gate_up_proj, "silu_mul", None))
+                              layer.self_attn.attn.layer_id, getattr(layer.mlp.gate_up_proj, "silu_mul", _no_silu_mul))
                        for layer in model.layers]
 
     def kernel_args(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -196,7 +201,7 @@ class CpuDecodeLoop:
         x = torch.empty_like(hidden, memory_format=contiguous)
         new_residual = torch.empty_like(hidden, memory_format=contiguous)
         module.rmsnorm(hidden, residual, layer.post_attention_layernorm, x, new_residual, True, self.eps, threads)
-        act = layer.silu_mul(x) if layer.silu_mul is not None else None
+        act = layer.silu_mul(x)
         if act is None:
             gate_up = layer.gate_up_proj(x)
             act = torch.empty((t, gate_up.shape[1] // 2), dtype=gate_up.dtype)
