@@ -13,7 +13,6 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -193,28 +192,3 @@ def cpu_compute_threads() -> tuple[int, str]:
     if env.isdigit() and int(env) > 0:
         return int(env), "OMP_NUM_THREADS"
     return usable_cpu_count(), "CPU affinity and cgroup quota"
-
-
-# libgomp (PyTorch's OpenMP on Linux) lets a thread that reaches a barrier early spin this many
-# times before it sleeps; libgomp's own default is 300 000. Next to another busy OpenMP program on
-# the same cores, each program's spinners hold the cores the other's late threads need, and a
-# decode step can take 100x as long (single-stream SmolLM2 on the 2-core AMX Xeon: 6.9 ms a token
-# alone, up to 811 ms beside a torch loop). 10 000 spins bounded that at ~48 ms and cost no
-# measurable time alone (decode steps at batch 1 and 16, prefill: 1.00-1.01x, in process);
-# `benchmark/cpu/bench_core_sharing.py`, `benchmark/results/cpu_core_sharing.json`.
-GOMP_SPINCOUNT = 10_000
-
-
-def omp_wait_env(environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """Environment variables to add for the scheduler process's OpenMP barrier waits, and why.
-
-    `GOMP_SPINCOUNT` = `GOMP_SPINCOUNT` (this module's constant) unless the user chose a wait
-    policy (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in `environ`), which is then left as it is.
-    Only libgomp reads it; an Intel OpenMP preloaded in its place keeps its own `KMP_BLOCKTIME`.
-    Must be in the environment before the process loads libgomp (before torch is imported).
-    """
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
-        if name in environ:
-            return {}, f"{name}={environ[name]} (set by the user)"
-    why = f"GOMP_SPINCOUNT={GOMP_SPINCOUNT} (default; OMP_WAIT_POLICY or GOMP_SPINCOUNT overrides it)"
-    return {"GOMP_SPINCOUNT": str(GOMP_SPINCOUNT)}, why

@@ -31,8 +31,7 @@ or time out after `--dist-timeout`).
 
 Threads: the scheduler process computes on `scheduler_threads()` torch/OpenMP threads (the
 cores it may use: its affinity, capped by a cgroup v2 cpu.max quota; or OMP_NUM_THREADS when
-the user set it), whose waits at a barrier spin `hardware.GOMP_SPINCOUNT` times before they
-sleep unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. This process's OpenMP pools (if a library starts one) are held at one
+the user set it). This process's OpenMP pools (if a library starts one) are held at one
 thread, leaving the cores to the scheduler's compute threads.
 """
 
@@ -49,7 +48,6 @@ import time
 from typing import Any
 
 from hiserve.engine.signals import exit_on_sigterm
-from hiserve.hardware import omp_wait_env  # stdlib only at import: this process starts light
 from hiserve.server_args import PortArgs, ServerArgs, server_args_parser
 
 logger = logging.getLogger("hiserve.launch_server")
@@ -301,9 +299,7 @@ def launch_server(server_args: ServerArgs) -> int:
     threads, why = scheduler_threads()
     if tp > 1:  # the ranks share this machine's cores
         threads, why = max(1, threads // tp), f"{why}, shared by {tp} TP ranks"
-    omp_env, omp_why = omp_wait_env(os.environ)
-    logger.info("Scheduler compute threads: %d (%s); API process: 1; OpenMP barrier wait: %s", threads, why, omp_why)
-    os.environ.update(omp_env)  # before the spawn: the child loads libgomp from this environment
+    logger.info("Scheduler compute threads: %d (%s); API process: 1", threads, why)
     _limit_api_threads()  # before the spawn too: the child starts from this environment
     readers, procs = [], []
 

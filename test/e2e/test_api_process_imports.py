@@ -5,14 +5,12 @@ the flags and reads the GGUF tokenizer), builds the tokenizer from the spec it s
 serves HTTP and sends its warm-up /generate. The only change is a wrapped warm-up, which
 then sends a streamed chat completion (chat template, incremental detokenization), prints
 which torch / gguf modules this process holds, and fails on purpose so that the launcher
-shuts down (exit status 1, "Warm-up failed"). The probe also reads the scheduler process's
-environment: it must have started with libgomp's bounded barrier spin (`hardware.omp_wait_env`).
+shuts down (exit status 1, "Warm-up failed").
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from server import find_free_port  # noqa: E402
 
-from hiserve.hardware import GOMP_SPINCOUNT  # noqa: E402
-
 _MARK = "API_PROCESS_MODULES "
 
 _PROBE = r"""
-import json, multiprocessing, sys
+import json, sys
 import httpx
 from hiserve import launch_server as ls
 
@@ -41,12 +37,8 @@ async def warm_up_then_probe(server_args):
         r = await client.post(ls._local_url(server_args) + "/v1/chat/completions", json=body)
     assert r.status_code == 200 and "data: [DONE]" in r.text, r.text
     held = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "gguf"))
-    (child,) = multiprocessing.active_children()
-    with open(f"/proc/{child.pid}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    spin = env.get(b"GOMP_SPINCOUNT", b"").decode()
     print(%(mark)r + json.dumps({"held": held, "frozen": getattr(server_args, "_frozen", False),
-                                 "dtype": server_args.dtype, "scheduler_spin": spin}), flush=True)
+                                 "dtype": server_args.dtype}), flush=True)
     raise RuntimeError("probe done")
 
 ls._warm_up = warm_up_then_probe
@@ -55,10 +47,8 @@ sys.exit(ls.main(sys.argv[1:]))
 
 
 def _launch(args: list[str], code: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    # without a wait policy of the caller's: the launcher's default must reach the scheduler
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout)
 
 
 def test_api_process_imports_neither_torch_nor_gguf():
@@ -68,7 +58,6 @@ def test_api_process_imports_neither_torch_nor_gguf():
     probe = json.loads(lines[0][len(_MARK):])
     assert probe["held"] == [], f"the API process imported {probe['held'][:10]}"
     assert probe["frozen"] and probe["dtype"] == "float32"  # the scheduler process resolved them
-    assert probe["scheduler_spin"] == str(GOMP_SPINCOUNT)  # in its environment before it loaded libgomp
     assert out.returncode == 1 and "probe done" in out.stderr  # left through the warm-up failure
 
 

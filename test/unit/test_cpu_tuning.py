@@ -59,17 +59,6 @@ def test_scheduler_threads_follow_omp_num_threads_else_usable_cores(monkeypatch)
     assert launch_server.scheduler_threads()[0] == 5
 
 
-@pytest.mark.parametrize("environ, added, why", [
-    ({}, {"GOMP_SPINCOUNT": str(hardware.GOMP_SPINCOUNT)}, "default"),
-    ({"OMP_WAIT_POLICY": "passive"}, {}, "OMP_WAIT_POLICY=passive (set by the user)"),
-    ({"GOMP_SPINCOUNT": "300000"}, {}, "GOMP_SPINCOUNT=300000 (set by the user)"),
-    ({"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "active"}, {}, "GOMP_SPINCOUNT=0 (set by the user)"),
-])
-def test_omp_wait_env_bounds_the_spin_unless_the_user_chose(environ, added, why):
-    got, reason = hardware.omp_wait_env(environ)
-    assert got == added and why in reason
-
-
 @pytest.mark.parametrize("features, dtype", [(AVX512 | {"avx512_bf16"}, "bfloat16"), (AVX512, "float32"),
                                              ({"avx2", "fma"}, "float32")])
 def test_cpu_dtype_auto_follows_features(features, dtype, caplog):
